@@ -1,0 +1,18 @@
+# Sourced by demo.sh and test.sh: create .venv if missing and (re)install grpolab with the
+# extras in $GRPOLAB_EXTRAS when pyproject.toml or this file changed since the last install.
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+extras="${GRPOLAB_EXTRAS:-}"
+if [ ! -x "$PY" ]; then
+  echo "setup: creating $VENV"
+  python3 -m venv "$VENV"
+fi
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
+stamp="$VENV/.installed-${extras:-base}"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing grpolab${extras:+[$extras]} into .venv (first run takes a few minutes)"
+  "$PY" -m pip install -q --disable-pip-version-check --upgrade pip
+  "$PY" -m pip install -q --disable-pip-version-check -e "$ROOT${extras:+[$extras]}"
+  echo "$want" > "$stamp"
+fi

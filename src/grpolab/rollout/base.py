@@ -1,0 +1,52 @@
+"""What every rollout engine returns, and the interface the trainer calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_completion_length: int = 32
+    seed: int = 0
+
+
+@dataclass
+class Rollout:
+    """G samples per prompt, the G samples of a prompt contiguous (sample i is in group i // G).
+
+    Rows are prompt + completion: the prompt left-padded to a common length P, the completion
+    starting at column P and right-padded after its EOS.
+    """
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] 1 on real tokens (prompt and completion)
+    completion_mask: torch.Tensor  # [B, T] 1 on completion tokens, EOS included; 0 elsewhere
+    group_ids: torch.Tensor  # [B] long, index of the prompt each sample answers
+    prompts: list[str]  # [B] the prompt text of each sample (as given, before templating)
+    completions: list[str]  # [B] decoded completion text, special tokens removed
+    truncated: torch.Tensor  # [B] bool: hit max_completion_length without EOS
+    prompt_length: int  # P: the column where completions start
+    # The engine's own log-probs of the sampled tokens, aligned like sequence_logprobs:
+    # [B, T-1], entry t is the log-prob of input_ids[:, t+1]; 0 where completion_mask[:, 1:] is 0.
+    engine_logprobs: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class RolloutEngine(Protocol):
+    def generate(
+        self, prompts: list[str], num_generations: int, params: SamplingParams
+    ) -> Rollout: ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make the engine sample from `model`'s current weights."""
+        ...
