@@ -1,0 +1,19 @@
+"""Tasks: prompts with reference answers. `load_task(TaskConfig(...))` -> Task."""
+
+from __future__ import annotations
+
+from grpolab.tasks.arithmetic import load_arithmetic
+from grpolab.tasks.base import Example, Task, TaskConfig
+
+TASKS = ("arithmetic",)
+
+
+def load_task(cfg: TaskConfig | None = None) -> Task:
+    """Build the task `cfg` names: train and eval examples, disjoint, deterministic in cfg.seed."""
+    cfg = cfg or TaskConfig()
+    if cfg.name == "arithmetic":
+        return load_arithmetic(cfg)
+    raise ValueError(f"task.name={cfg.name!r} is not one of {list(TASKS)}")
+
+
+__all__ = ["TASKS", "Example", "Task", "TaskConfig", "load_task"]

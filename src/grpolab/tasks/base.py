@@ -1,0 +1,79 @@
+"""What a task is: prompts with reference answers, a fixed eval split, reproducible sampling."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class TaskConfig:
+    """Which prompts to train on. One flat section; the fields a task does not use are ignored.
+
+    name: "arithmetic" (built in, generated), "gsm8k" (question / "... #### 42" answer rows),
+    "jsonl" (any rows; prompt_field / answer_field name the columns).
+    """
+
+    name: str = "arithmetic"
+    # arithmetic: "a<op>b=" -> str(result); operands drawn from [min_operand, max_operand].
+    min_operand: int = 10
+    max_operand: int = 99
+    operators: str = "+"  # any of "+-*"
+    num_eval: int = 500  # held-out prompts (file tasks without eval_path: at most half the rows)
+    # Arithmetic spaces larger than ARITHMETIC_ENUMERATE_LIMIT are sampled, not enumerated:
+    # num_train (0 = all remaining) caps the training set.
+    num_train: int = 0
+    seed: int = 0
+    # File-based tasks: a local .jsonl / .json / .parquet file, or a Hugging Face dataset id.
+    path: str | None = None
+    eval_path: str | None = None  # a separate eval file; else num_eval rows are held out
+    subset: str | None = None  # dataset config name for hub ids (e.g. "main" for openai/gsm8k)
+    split: str = "train"
+    eval_split: str | None = None  # with a hub id: take eval from this split
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    # Formatted with the row's columns; "{prompt}" is the prompt field's text.
+    prompt_template: str = "{prompt}"
+    chat_template: bool = False  # render prompts through the tokenizer's chat template
+    system_prompt: str | None = None  # with chat_template: a system message first
+
+
+@dataclass
+class Example:
+    """One prompt. `answer` is the reference the rewards compare against; `columns` holds the
+    example's other fields (passed to user reward functions as keyword arguments)."""
+
+    prompt: str
+    answer: str
+    columns: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Task:
+    name: str
+    train: list[Example]
+    eval: list[Example]
+    config: TaskConfig | None = None
+
+    def sample(self, n: int, generator: torch.Generator | random.Random) -> list[Example]:
+        """n distinct training examples drawn with `generator` (its state advances; the same
+        state gives the same draw, so a resumed run draws what the original would have)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        if n > len(self.train):
+            raise ValueError(
+                f"cannot sample {n} distinct prompts from task {self.name!r}: "
+                f"it has {len(self.train)} training examples"
+            )
+        if isinstance(generator, random.Random):
+            indices = generator.sample(range(len(self.train)), n)
+        elif isinstance(generator, torch.Generator):
+            indices = torch.randperm(len(self.train), generator=generator)[:n].tolist()
+        else:
+            raise TypeError(
+                f"generator must be a torch.Generator or random.Random, got {type(generator)}"
+            )
+        return [self.train[i] for i in indices]
