@@ -1,0 +1,168 @@
+"""What every engine shares: prompt rendering and checks, and assembling a Rollout from
+per-sample token lists (so that each engine only has to produce tokens and log-probs)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from grpolab.rollout.base import Rollout, SamplingParams
+
+
+def check_sampling(num_generations: int, params: SamplingParams) -> None:
+    if isinstance(num_generations, bool) or not isinstance(num_generations, int):
+        raise ValueError(f"num_generations must be an int, got {num_generations!r}")
+    if num_generations < 1:
+        raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+    if not params.temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    if params.max_completion_length < 1:
+        raise ValueError(f"max_completion_length must be >= 1, got {params.max_completion_length}")
+
+
+def stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase, model_eos: int | list[int] | None
+) -> list[int]:
+    """The tokenizer's EOS plus the model's generation-config EOS ids (chat models end turns
+    with a token of their own, e.g. <|im_end|>)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    if model_eos is not None:
+        ids.extend(int(i) for i in ([model_eos] if isinstance(model_eos, int) else model_eos))
+    ids = list(dict.fromkeys(ids))
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token and the model config names none")
+    return ids
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad_token nor an eos_token")
+    return int(pad)
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str,
+    chat_template: bool = False,
+    system_prompt: str | None = None,
+) -> str:
+    """The text the model sees: the prompt itself, or the chat template's rendering of it as
+    the user turn (with a system turn first when system_prompt is set)."""
+    if not chat_template:
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "task.chat_template is true but the tokenizer has no chat_template; "
+            "set task.chat_template=false or use a chat model's tokenizer"
+        )
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    max_completion_length: int,
+    context_length: int | None,
+    chat_template: bool = False,
+    system_prompt: str | None = None,
+) -> list[list[int]]:
+    """Token ids of each (rendered) prompt, checked: non-empty and fitting the context with
+    room for max_completion_length new tokens."""
+    if not prompts:
+        raise ValueError("no prompts to generate from")
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"prompt {i} is empty: {prompt!r}")
+        text = render_prompt(tokenizer, prompt, chat_template, system_prompt)
+        # A chat template writes its own special tokens (BOS included).
+        ids = tokenizer(text, add_special_tokens=not chat_template)["input_ids"]
+        if not ids:
+            raise ValueError(f"prompt {i} encodes to no tokens: {prompt!r}")
+        if context_length is not None and len(ids) + max_completion_length > context_length:
+            raise ValueError(
+                f"prompt {i} ({_preview(prompt)}) is {len(ids)} tokens; with "
+                f"max_completion_length={max_completion_length} that exceeds the model context "
+                f"of {context_length} tokens"
+            )
+        encoded.append(list(ids))
+    return encoded
+
+
+def assemble_rollout(
+    prompts: Sequence[str],
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    completion_logprobs: Sequence[Sequence[float]] | None,
+    num_generations: int,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    tokenizer: PreTrainedTokenizerBase,
+) -> Rollout:
+    """Build the padded Rollout from per-sample lists in rollout order (sample i answers prompt
+    i // G). A completion is cut after its first stop token (kept, masked 1); a completion
+    without one is `truncated`. Prompts are left-padded, completions right-padded with pad_id."""
+    G = num_generations
+    B = len(prompts) * G
+    if len(completion_ids) != B:
+        raise ValueError(
+            f"got {len(completion_ids)} completions for {len(prompts)} prompts x G={G}"
+        )
+    stops = set(stop_ids)
+    cut_ids, cut_logps, truncated = [], [], []
+    for i, ids in enumerate(completion_ids):
+        ids = list(ids)
+        end = next((j + 1 for j, t in enumerate(ids) if t in stops), None)
+        truncated.append(end is None)
+        end = len(ids) if end is None else end
+        if end == 0:
+            raise ValueError(f"sample {i} has an empty completion")
+        cut_ids.append(ids[:end])
+        if completion_logprobs is not None:
+            cut_logps.append(list(completion_logprobs[i])[:end])
+    P = max(len(p) for p in prompt_ids)
+    C = max(len(c) for c in cut_ids)
+    T = P + C
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, T, dtype=torch.long)
+    completion_mask = torch.zeros(B, T, dtype=torch.long)
+    engine_logprobs = torch.zeros(B, T - 1) if completion_logprobs is not None else None
+    texts = []
+    for i, comp in enumerate(cut_ids):
+        prompt = prompt_ids[i // G]
+        n = len(comp)
+        input_ids[i, P - len(prompt) : P] = torch.tensor(prompt, dtype=torch.long)
+        input_ids[i, P : P + n] = torch.tensor(comp, dtype=torch.long)
+        attention_mask[i, P - len(prompt) : P + n] = 1
+        completion_mask[i, P : P + n] = 1
+        if engine_logprobs is not None:
+            # entry t is the log-prob of input_ids[:, t+1]: completion token j sits at P + j.
+            engine_logprobs[i, P - 1 : P - 1 + n] = torch.tensor(cut_logps[i], dtype=torch.float32)
+        text_ids = comp if truncated[i] else comp[:-1]  # the stop token is not text
+        texts.append(tokenizer.decode(text_ids, skip_special_tokens=True))
+    return Rollout(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        completion_mask=completion_mask,
+        group_ids=torch.arange(len(prompts)).repeat_interleave(G),
+        prompts=[p for p in prompts for _ in range(G)],
+        completions=texts,
+        truncated=torch.tensor(truncated, dtype=torch.bool),
+        prompt_length=P,
+        engine_logprobs=engine_logprobs,
+    )
+
+
+def _preview(text: str, width: int = 40) -> str:
+    return repr(text if len(text) <= width else text[: width - 3] + "...")
