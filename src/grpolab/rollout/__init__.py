@@ -1,5 +1,39 @@
 """Rollout: sample G completions per prompt from the current policy."""
 
-from grpolab.rollout.base import Rollout, RolloutEngine, SamplingParams
+from __future__ import annotations
 
-__all__ = ["Rollout", "RolloutEngine", "SamplingParams"]
+import torch
+
+from grpolab.rollout.base import ENGINES, Rollout, RolloutConfig, RolloutEngine, SamplingParams
+
+
+def build_engine(
+    cfg: RolloutConfig,
+    model: torch.nn.Module,
+    tokenizer,
+    chat_template: bool = False,
+    system_prompt: str | None = None,
+    model_path: str | None = None,
+) -> RolloutEngine:
+    """The engine `cfg.engine` names. "hf" samples with `model` itself; "vllm" starts an
+    engine from `model_path` (a Hugging Face directory; the trainer's model is saved to one
+    when None) and is kept in sync through `engine.sync_weights(model)`."""
+    if cfg.engine == "hf":
+        from grpolab.rollout.hf import HFEngine
+
+        return HFEngine(model, tokenizer, chat_template=chat_template, system_prompt=system_prompt)
+    if cfg.engine == "vllm":
+        from grpolab.rollout.vllm import VLLMEngine
+
+        return VLLMEngine.from_model(
+            model,
+            tokenizer,
+            cfg,
+            model_path=model_path,
+            chat_template=chat_template,
+            system_prompt=system_prompt,
+        )
+    raise ValueError(f"rollout.engine={cfg.engine!r} is not one of {list(ENGINES)}")
+
+
+__all__ = ["ENGINES", "Rollout", "RolloutConfig", "RolloutEngine", "SamplingParams", "build_engine"]

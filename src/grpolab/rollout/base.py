@@ -50,3 +50,32 @@ class RolloutEngine(Protocol):
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the engine sample from `model`'s current weights."""
         ...
+
+
+ENGINES = ("hf", "vllm")
+
+
+@dataclass
+class RolloutConfig:
+    """The `rollout` config section: which engine samples, and how."""
+
+    engine: str = "hf"  # hf (transformers generate on the training model) | vllm
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_completion_length: int = 32
+    # vllm only: engine memory and context; the engine holds its own copy of the weights,
+    # synced from the trainer after every optimizer step.
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_max_model_len: int | None = None  # None: the model's context length
+    vllm_enforce_eager: bool = False  # CPU always runs eager
+
+    def sampling(self, seed: int) -> SamplingParams:
+        """The SamplingParams of one rollout call; pass a different seed each step."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_completion_length=self.max_completion_length,
+            seed=seed,
+        )
