@@ -1,13 +1,14 @@
-"""Tasks: the arithmetic task's format, split and sampling."""
+"""Tasks: the arithmetic task's format, split and sampling; the file loaders and their errors."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 
-from grpolab.tasks import Example, TaskConfig, load_task
+from grpolab.tasks import SAMPLE_GSM8K, Example, TaskConfig, load_task
 
 
 def test_arithmetic_default_format_and_answers():
@@ -92,3 +93,115 @@ def test_sample_rejects_bad_n():
         task.sample(100, random.Random(0))
     with pytest.raises(ValueError, match="positive"):
         task.sample(0, random.Random(0))
+
+
+# --- file-based tasks --------------------------------------------------------------------------
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_gsm8k_sample_loads_with_final_answers():
+    task = load_task(TaskConfig(name="gsm8k", path=str(SAMPLE_GSM8K), num_eval=4))
+    assert len(task.train) + len(task.eval) >= 10 and len(task.eval) == 4
+    assert not {e.prompt for e in task.train} & {e.prompt for e in task.eval}
+    rows = [json.loads(line) for line in SAMPLE_GSM8K.read_text().splitlines()]
+    by_question = {r["question"]: r for r in rows}
+    for ex in task.train + task.eval:
+        row = by_question[ex.columns["question"]]
+        assert ex.prompt.startswith(row["question"]) and '"####"' in ex.prompt
+        final = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
+        assert ex.answer == final and ex.columns["solution"] == row["answer"]
+    assert "2280" in {e.answer for e in task.train + task.eval}  # "#### 2,280"
+
+
+def test_gsm8k_eval_holdout_is_at_most_half_and_seeded():
+    a = load_task(TaskConfig(name="gsm8k", path=str(SAMPLE_GSM8K)))  # num_eval=500 default
+    n = len(a.train) + len(a.eval)
+    assert len(a.eval) == n // 2
+    b = load_task(TaskConfig(name="gsm8k", path=str(SAMPLE_GSM8K), seed=1))
+    assert [e.prompt for e in a.eval] != [e.prompt for e in b.eval]
+
+
+def test_jsonl_task_custom_fields_and_template(tmp_path):
+    path = write_jsonl(
+        tmp_path / "qa.jsonl",
+        [{"q": f"What is {i} squared?", "a": i * i, "level": i % 3} for i in range(10)],
+    )
+    cfg = TaskConfig(
+        name="jsonl",
+        path=str(path),
+        prompt_field="q",
+        answer_field="a",
+        prompt_template="[{level}] {prompt}",
+        num_eval=2,
+    )
+    task = load_task(cfg)
+    assert len(task.train) == 8 and len(task.eval) == 2
+    ex = next(e for e in task.train if e.columns["q"] == "What is 3 squared?")
+    assert ex.prompt == "[0] What is 3 squared?" and ex.answer == "9"
+    assert ex.columns == {"q": "What is 3 squared?", "a": 9, "level": 0}
+
+
+def test_jsonl_separate_eval_file(tmp_path):
+    train = write_jsonl(
+        tmp_path / "train.jsonl", [{"prompt": f"p{i}", "answer": "x"} for i in range(5)]
+    )
+    evalf = write_jsonl(
+        tmp_path / "eval.jsonl", [{"prompt": f"e{i}", "answer": "y"} for i in range(3)]
+    )
+    task = load_task(TaskConfig(name="jsonl", path=str(train), eval_path=str(evalf)))
+    assert [e.prompt for e in task.train] == [f"p{i}" for i in range(5)]
+    assert [e.prompt for e in task.eval] == ["e0", "e1", "e2"]
+
+
+def test_parquet_via_datasets(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"question": f"Q{i}?", "answer": f"so\n#### {i}"} for i in range(6)]
+    path = tmp_path / "gsm.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    task = load_task(
+        TaskConfig(name="gsm8k", path=str(path), num_eval=2, prompt_template="{prompt}")
+    )
+    assert sorted(e.answer for e in task.train + task.eval) == [str(i) for i in range(6)]
+    assert {e.prompt for e in task.train + task.eval} == {f"Q{i}?" for i in range(6)}
+
+
+@pytest.mark.parametrize(
+    ("lines", "match"),
+    [
+        (
+            ['{"question": "q", "answer": "#### 1"}', '{"question": "q2"}'],
+            r"line 2: no field 'answer'",
+        ),
+        (['{"question": "", "answer": "#### 1"}'], r"line 1: field 'question' is empty"),
+        (
+            ['{"question": "q", "answer": "no final"}'],
+            r"line 1: field 'answer' has no final '#### <answer>'",
+        ),
+        (['{"question": "q", "answer": "#### 1"}', "{not json"], r"line 2: not valid JSON"),
+        (["[1, 2]"], r"line 1: expected a JSON object"),
+    ],
+)
+def test_bad_gsm8k_rows_name_file_line_and_field(tmp_path, lines, match):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=match) as info:
+        load_task(TaskConfig(name="gsm8k", path=str(path)))
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_file_and_path(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(ValueError, match=r"task file .*nope.jsonl.* does not exist"):
+        load_task(TaskConfig(name="jsonl", path=str(missing)))
+    with pytest.raises(ValueError, match=r"needs task\.path"):
+        load_task(TaskConfig(name="gsm8k"))
+
+
+def test_bad_template_names_the_template(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "p", "answer": "a"}])
+    with pytest.raises(ValueError, match=r"task.prompt_template='\{nope\}'.*t.jsonl line 1"):
+        load_task(TaskConfig(name="jsonl", path=str(path), prompt_template="{nope}"))

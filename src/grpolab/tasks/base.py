@@ -14,7 +14,8 @@ class TaskConfig:
     """Which prompts to train on. One flat section; the fields a task does not use are ignored.
 
     name: "arithmetic" (built in, generated), "gsm8k" (question / "... #### 42" answer rows),
-    "jsonl" (any rows; prompt_field / answer_field name the columns).
+    "jsonl" (any rows, .jsonl/.json/.parquet or a dataset id; prompt_field / answer_field
+    name the columns).
     """
 
     name: str = "arithmetic"
@@ -33,10 +34,12 @@ class TaskConfig:
     subset: str | None = None  # dataset config name for hub ids (e.g. "main" for openai/gsm8k)
     split: str = "train"
     eval_split: str | None = None  # with a hub id: take eval from this split
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
-    # Formatted with the row's columns; "{prompt}" is the prompt field's text.
-    prompt_template: str = "{prompt}"
+    # None: the task's default (gsm8k: question / answer; jsonl: prompt / answer).
+    prompt_field: str | None = None
+    answer_field: str | None = None
+    # Formatted with the row's fields; "{prompt}" is the prompt field's text. None: the task's
+    # default ("{prompt}"; gsm8k adds an instruction to end with "#### <answer>").
+    prompt_template: str | None = None
     chat_template: bool = False  # render prompts through the tokenizer's chat template
     system_prompt: str | None = None  # with chat_template: a system message first
 

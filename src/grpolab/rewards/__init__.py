@@ -1,0 +1,272 @@
+"""Rewards: score each completion, combine several functions with weights, lose nothing.
+
+    rewards = load_rewards(RewardsConfig(functions=["accuracy", "format"], weights=[1, 0.1]),
+                           task="gsm8k", max_completion_length=256)
+    result = score(rollout, examples, rewards)   # examples: one per prompt (or per sample)
+    result.total          # [B] sum_k weight_k * reward_k (None counts 0, as TRL's nansum)
+    result.per_function   # name -> [B] unweighted values; NaN where a function returned None
+    result.errors         # name -> samples that got the fallback in this call
+    result.metrics        # rewards/<name>/mean, reward_errors/<name>, frac_reward_zero_std, ...
+
+A function that raises, returns a non-finite value or the wrong number of values, or runs past
+its timeout is not fatal and not silent: the affected samples get the fallback value, the count
+goes to reward_errors/<name>, and the first failure's traceback is logged once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from grpolab.rewards.builtin import (
+    ACCURACY_MODES,
+    DEFAULT_FORMAT_PATTERN,
+    make_accuracy,
+    make_format,
+    make_overlong,
+)
+from grpolab.rewards.functions import (
+    BUILTIN_REWARDS,
+    RewardCallError,
+    RewardFunction,
+    resolve_function,
+)
+from grpolab.rollout.base import Rollout
+from grpolab.tasks.base import Example, TaskConfig
+
+
+@dataclass
+class RewardsConfig:
+    """The `rewards` config section (TRL: reward_funcs / reward_weights)."""
+
+    # Built-in names (accuracy, format, overlong), "package.module:function" or
+    # "path/to/file.py:function" with the signature f(completions, **columns) -> list.
+    functions: list[str] = field(default_factory=lambda: ["accuracy"])
+    weights: list[float] | None = None  # one per function; None = all 1.0
+    timeout: float | None = 30.0  # seconds per call of a user function; None = no limit
+    fallback: float = 0.0  # the reward of a sample whose function failed
+    accuracy_mode: str = "auto"  # auto (exact for arithmetic, else math) | exact | math
+    format_pattern: str = DEFAULT_FORMAT_PATTERN  # re.search, DOTALL
+    overlong_buffer: int | None = None  # DAPO's L_cache in tokens; None = max_length // 4
+
+
+@dataclass
+class RewardResult:
+    total: torch.Tensor  # [B] float32, weighted sum
+    per_function: dict[str, torch.Tensor]  # name -> [B] float32, NaN where not applicable
+    errors: dict[str, int]  # name -> samples that got the fallback
+    metrics: dict[str, float]
+
+
+class Rewards(list):
+    """The resolved reward functions of a run (a list of RewardFunction, in config order)."""
+
+
+RewardsLike = Rewards | RewardsConfig | Sequence[str | Callable[..., Any]]
+
+
+def load_rewards(
+    cfg: RewardsLike | None = None,
+    task: TaskConfig | str | None = None,
+    max_completion_length: int | None = None,
+) -> Rewards:
+    """Resolve every reward function once, checking names, files and weights.
+
+    task: the task (or its name), for accuracy_mode="auto"; max_completion_length: the
+    rollout's, for the overlong reward.
+    """
+    if isinstance(cfg, Rewards):
+        return cfg
+    if cfg is None:
+        cfg = RewardsConfig()
+    elif not isinstance(cfg, RewardsConfig):
+        cfg = RewardsConfig(functions=list(cfg))
+    task_name = task.name if isinstance(task, TaskConfig) else task
+    if not cfg.functions:
+        raise ValueError("rewards.functions is empty: name at least one reward function")
+    weights = cfg.weights if cfg.weights is not None else [1.0] * len(cfg.functions)
+    if len(weights) != len(cfg.functions):
+        raise ValueError(
+            f"rewards.weights has {len(weights)} values for {len(cfg.functions)} functions "
+            f"{list(map(_display, cfg.functions))}"
+        )
+    for i, w in enumerate(weights):
+        if not math.isfinite(w):
+            raise ValueError(f"rewards.weights[{i}]={w!r} is not finite")
+    if cfg.timeout is not None and not cfg.timeout > 0:
+        raise ValueError(f"rewards.timeout={cfg.timeout!r} must be > 0 (or null: no limit)")
+    if not math.isfinite(cfg.fallback):
+        raise ValueError(f"rewards.fallback={cfg.fallback!r} is not finite")
+    if cfg.accuracy_mode not in ACCURACY_MODES:
+        raise ValueError(
+            f"rewards.accuracy_mode={cfg.accuracy_mode!r} is not one of {list(ACCURACY_MODES)}"
+        )
+
+    out = Rewards()
+    seen: dict[str, int] = {}
+    for ref, weight in zip(cfg.functions, weights, strict=True):
+        builtin = isinstance(ref, str) and ref in BUILTIN_REWARDS
+        if builtin:
+            fn = {
+                "accuracy": lambda: make_accuracy(cfg.accuracy_mode, task_name),
+                "format": lambda: make_format(cfg.format_pattern),
+                "overlong": lambda: make_overlong(max_completion_length, cfg.overlong_buffer),
+            }[ref]()
+        elif callable(ref):
+            fn = ref
+        elif isinstance(ref, str):
+            fn = resolve_function(ref)
+        else:
+            raise ValueError(f"rewards.functions: {ref!r} is neither a name nor a function")
+        name = _display(ref)
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:
+            name = f"{name}_{seen[name]}"
+        out.append(
+            RewardFunction(
+                name=name,
+                fn=fn,
+                weight=float(weight),
+                timeout=cfg.timeout,
+                fallback=float(cfg.fallback),
+                threaded=not builtin,
+                needs_token_ids=ref == "overlong",
+            )
+        )
+    return out
+
+
+def _display(ref: str | Callable[..., Any]) -> str:
+    if callable(ref):
+        return getattr(ref, "__name__", type(ref).__name__)
+    return ref.rpartition(":")[2] if ":" in ref else ref
+
+
+def score(
+    rollout_or_completions: Rollout | Sequence[str],
+    examples: Sequence[Example],
+    rewards: RewardsLike | None = None,
+    num_generations: int | None = None,
+    zero_std_eps: float = 1e-4,
+) -> RewardResult:
+    """Reward every sample; combine with weights; report per-function means and errors.
+
+    examples: one per prompt (repeated over its G samples) or one per sample, in rollout order.
+    With plain completions, num_generations gives G (default: one group of all samples).
+    """
+    if not isinstance(rewards, Rewards):
+        rewards = load_rewards(rewards)
+    if isinstance(rollout_or_completions, Rollout):
+        rollout = rollout_or_completions
+        completions = list(rollout.completions)
+        B = len(completions)
+        G = _group_size(rollout.group_ids)
+        if num_generations is not None and num_generations != G:
+            raise ValueError(f"num_generations={num_generations} but the rollout has G={G}")
+    else:
+        rollout = None
+        completions = list(rollout_or_completions)
+        B = len(completions)
+        G = num_generations or B
+        if B == 0 or B % G:
+            raise ValueError(f"{B} completions are not a positive multiple of G={G}")
+    per_sample = _expand_examples(examples, B, G, rollout)
+
+    columns: dict[str, list] = {}
+    for key in dict.fromkeys(k for ex in per_sample for k in ex.columns):
+        columns[key] = [ex.columns.get(key) for ex in per_sample]
+    columns["prompt"] = [ex.prompt for ex in per_sample]
+    columns["prompts"] = columns["prompt"]  # TRL's name
+    columns["answer"] = [ex.answer for ex in per_sample]
+    if rollout is not None:
+        columns["completion_ids"] = _completion_ids(rollout)
+    elif any(fn.needs_token_ids for fn in rewards):
+        raise ValueError("the 'overlong' reward needs token ids: score a Rollout")
+
+    total = torch.zeros(B, dtype=torch.float32)
+    per_function: dict[str, torch.Tensor] = {}
+    errors: dict[str, int] = {}
+    metrics: dict[str, float] = {}
+    for fn in rewards:
+        values, n_errors = fn(completions, columns)
+        t = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
+        per_function[fn.name] = t
+        errors[fn.name] = n_errors
+        total += fn.weight * torch.nan_to_num(t, nan=0.0)
+        valid = t[~t.isnan()]
+        metrics[f"rewards/{fn.name}/mean"] = valid.mean().item() if valid.numel() else 0.0
+        metrics[f"rewards/{fn.name}/std"] = (
+            valid.std(unbiased=False).item() if valid.numel() else 0.0
+        )
+        metrics[f"reward_errors/{fn.name}"] = float(n_errors)
+        if valid.numel() < B:
+            metrics[f"rewards/{fn.name}/none_frac"] = 1 - valid.numel() / B
+    metrics["reward/mean"] = total.mean().item()
+    metrics["reward/std"] = total.std(unbiased=False).item()
+    group_std = total.view(-1, G).std(dim=1, unbiased=False)
+    metrics["frac_reward_zero_std"] = (group_std <= zero_std_eps).float().mean().item()
+    if rollout is not None:
+        lengths = rollout.completion_mask.sum(dim=1).float()
+        metrics["truncated_frac"] = rollout.truncated.float().mean().item()
+        metrics["completion_length/mean"] = lengths.mean().item()
+        metrics["completion_length/max"] = lengths.max().item()
+        metrics["completion_length/min"] = lengths.min().item()
+    return RewardResult(total=total, per_function=per_function, errors=errors, metrics=metrics)
+
+
+def _group_size(group_ids: torch.Tensor) -> int:
+    """G from contiguous group ids 0,0,..,1,1,..; anything else is a broken rollout."""
+    B = group_ids.numel()
+    n_groups = int(group_ids.max().item()) + 1 if B else 0
+    G = B // n_groups if n_groups else 0
+    expected = torch.arange(n_groups).repeat_interleave(G) if G else None
+    if expected is None or expected.numel() != B or not torch.equal(group_ids.cpu(), expected):
+        raise ValueError(
+            "rollout.group_ids are not contiguous equal-size groups 0,0,..,1,1,..: "
+            f"{group_ids.tolist()[:16]}"
+        )
+    return G
+
+
+def _expand_examples(
+    examples: Sequence[Example], B: int, G: int, rollout: Rollout | None
+) -> list[Example]:
+    n = len(examples)
+    if n == B:
+        per_sample = list(examples)
+    elif n * G == B:
+        per_sample = [ex for ex in examples for _ in range(G)]
+    else:
+        raise ValueError(
+            f"{n} examples for {B} samples with G={G}: pass one example per prompt "
+            f"({B // G}) or one per sample ({B})"
+        )
+    if rollout is not None:
+        for i, (ex, prompt) in enumerate(zip(per_sample, rollout.prompts, strict=True)):
+            if ex.prompt != prompt:
+                raise ValueError(
+                    f"examples do not line up with the rollout: sample {i} answers prompt "
+                    f"{prompt!r} but its example's prompt is {ex.prompt!r}"
+                )
+    return per_sample
+
+
+def _completion_ids(rollout: Rollout) -> list[list[int]]:
+    mask = rollout.completion_mask.bool()
+    return [row[m].tolist() for row, m in zip(rollout.input_ids, mask, strict=True)]
+
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "RewardCallError",
+    "RewardFunction",
+    "RewardResult",
+    "Rewards",
+    "RewardsConfig",
+    "load_rewards",
+    "score",
+]

@@ -1,0 +1,168 @@
+"""Resolving reward names to functions, and calling one function safely.
+
+A reward is a built-in name (accuracy, format, overlong), "package.module:function", or
+"path/to/file.py:function"; the function has TRL's signature
+f(completions, **columns) -> list[float | None] (None: the reward does not apply to that sample).
+
+Safety: built-ins run inline (math-verify bounds each parse with its own SIGALRM timeout in the
+main thread). User functions run in a worker thread and the caller waits at most `timeout`
+seconds; past it, the call's samples are counted as errors and get the fallback. A Python
+thread cannot be killed: the late call is abandoned (a daemon thread) and, while it is still
+running, further calls of that function are not started and count as errors too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import math
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("grpolab.rewards")
+
+BUILTIN_REWARDS = ("accuracy", "format", "overlong")
+
+
+class RewardCallError(Exception):
+    """A whole call failed: it raised, timed out, or returned the wrong number of values."""
+
+
+@dataclass
+class RewardFunction:
+    name: str  # the name in metrics: rewards/<name>/mean, reward_errors/<name>
+    fn: Callable[..., Any]
+    weight: float = 1.0
+    timeout: float | None = 30.0  # seconds per call (user functions); None = no limit
+    fallback: float = 0.0  # the value of a sample whose reward could not be computed
+    threaded: bool = True  # run in a worker thread under `timeout`
+    needs_token_ids: bool = False
+    _logged: bool = field(default=False, repr=False)
+    _late: threading.Thread | None = field(default=None, repr=False)
+
+    def __call__(self, completions: list[str], columns: dict[str, list]) -> tuple[list, int]:
+        """(values, error count): values[i] is a finite float, None (not applicable), or the
+        fallback where the function failed for sample i."""
+        n = len(completions)
+        try:
+            raw = self._run(completions, columns)
+            values = list(raw)
+            if len(values) != n:
+                raise RewardCallError(f"returned {len(values)} values for {n} completions")
+        except Exception as e:
+            self._log_once(f"reward {self.name!r} failed for the whole batch of {n}: {e}", e)
+            return [self.fallback] * n, n
+        out, errors = [], 0
+        for i, v in enumerate(values):
+            if v is None:
+                out.append(None)
+                continue
+            try:
+                f = float(v)
+            except (TypeError, ValueError):
+                f = math.nan
+            if not math.isfinite(f):
+                errors += 1
+                self._log_once(f"reward {self.name!r} gave {v!r} for sample {i}; using fallback")
+                f = self.fallback
+            out.append(f)
+        return out, errors
+
+    def _run(self, completions: list[str], columns: dict[str, list]) -> Any:
+        if not self.threaded or self.timeout is None:
+            return self.fn(completions, **columns)
+        if self._late is not None and self._late.is_alive():
+            raise RewardCallError(
+                f"an earlier call is still running past its timeout of {self.timeout:g} s; "
+                "this call was not started"
+            )
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = self.fn(completions, **columns)
+            except BaseException as e:
+                box["error"] = e
+
+        thread = threading.Thread(target=target, name=f"reward:{self.name}", daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            self._late = thread
+            raise RewardCallError(f"timed out after {self.timeout:g} s (thread abandoned)")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _log_once(self, message: str, error: BaseException | None = None) -> None:
+        if self._logged:
+            return
+        self._logged = True
+        exc_info = None
+        if error is not None and not isinstance(error, RewardCallError):
+            exc_info = (type(error), error, error.__traceback__)
+        logger.warning(
+            "%s (counted in reward_errors/%s; further errors of this function are counted, "
+            "not logged)",
+            message,
+            self.name,
+            exc_info=exc_info,
+        )
+
+
+def resolve_function(ref: str) -> Callable[..., Any]:
+    """ "package.module:function" or "path/to/file.py:function" -> the function."""
+    target, sep, attr = ref.rpartition(":")
+    if not sep or not target or not attr:
+        raise ValueError(
+            f"unknown reward {ref!r}: not a built-in ({', '.join(BUILTIN_REWARDS)}) and not "
+            "'package.module:function' or 'path/to/file.py:function'"
+        )
+    if target.endswith(".py"):
+        module = _load_file(target)
+        where = f"file {target!r}"
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as e:
+            raise ValueError(f"reward {ref!r}: cannot import module {target!r} ({e})") from None
+        except SyntaxError as e:
+            raise ValueError(
+                f"reward {ref!r}: module {target!r} has a syntax error at "
+                f"{e.filename}:{e.lineno}: {e.msg}"
+            ) from None
+        where = f"module {target!r}"
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"reward {ref!r}: {where} has no function {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"reward {ref!r}: {attr!r} in {where} is not callable")
+    return fn
+
+
+def _load_file(path: str):
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"reward file {path!r} does not exist")
+    name = f"grpolab_user_reward_{abs(hash(str(file.resolve())))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ValueError(
+            f"reward file {path!r} has a syntax error at line {e.lineno}: {e.msg}"
+        ) from None
+    except Exception as e:
+        raise ValueError(
+            f"reward file {path!r} failed to import: {type(e).__name__}: {e}"
+        ) from None
+    sys.modules[name] = module
+    return module

@@ -1,0 +1,164 @@
+"""File-based tasks: GSM8K-style rows ("question", "answer" ending in "#### 42") and generic
+rows with configurable prompt / answer fields. Local .jsonl / .json read here; .parquet files
+and Hugging Face dataset ids go through `datasets`."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+from grpolab.tasks.base import Example, Task, TaskConfig
+
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+# Per task: (prompt_field, answer_field, prompt_template) when the config leaves them unset.
+SAMPLE_GSM8K = Path(__file__).resolve().parent.parent / "data" / "gsm8k_sample.jsonl"
+FILE_TASK_DEFAULTS = {
+    "gsm8k": ("question", "answer", "{prompt} " + GSM8K_INSTRUCTION),
+    "jsonl": ("prompt", "answer", "{prompt}"),
+}
+_GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
+
+
+def load_file_task(cfg: TaskConfig) -> Task:
+    prompt_field, answer_field, template = _fields(cfg)
+    if not cfg.path:
+        raise ValueError(
+            f"task.name={cfg.name!r} needs task.path (a .jsonl/.parquet file or a dataset id)"
+        )
+    rows = _read_rows(cfg.path, cfg.subset, cfg.split)
+    examples = [
+        _example(cfg, row, where, prompt_field, answer_field, template) for where, row in rows
+    ]
+    if not examples:
+        raise ValueError(f"task.path={cfg.path!r} holds no rows")
+    if cfg.eval_path or cfg.eval_split:
+        eval_rows = _read_rows(cfg.eval_path or cfg.path, cfg.subset, cfg.eval_split or cfg.split)
+        eval_examples = [
+            _example(cfg, row, where, prompt_field, answer_field, template)
+            for where, row in eval_rows
+        ][: cfg.num_eval or None]
+        train = examples
+    else:
+        # Hold out num_eval rows (at most half the file), chosen by the seed.
+        order = list(range(len(examples)))
+        random.Random(cfg.seed).shuffle(order)
+        n_eval = min(cfg.num_eval, len(examples) // 2)
+        eval_examples = [examples[i] for i in sorted(order[:n_eval])]
+        train = [examples[i] for i in sorted(order[n_eval:])]
+    if cfg.num_train:
+        train = train[: cfg.num_train]
+    return Task(name=cfg.name, train=train, eval=eval_examples, config=cfg)
+
+
+def _fields(cfg: TaskConfig) -> tuple[str, str, str]:
+    prompt_default, answer_default, template_default = FILE_TASK_DEFAULTS[cfg.name]
+    return (
+        cfg.prompt_field or prompt_default,
+        cfg.answer_field or answer_default,
+        cfg.prompt_template if cfg.prompt_template is not None else template_default,
+    )
+
+
+def _example(
+    cfg: TaskConfig,
+    row: dict[str, Any],
+    where: str,
+    prompt_field: str,
+    answer_field: str,
+    template: str,
+) -> Example:
+    for name in (prompt_field, answer_field):
+        if name not in row:
+            raise ValueError(f"{where}: no field {name!r} (fields: {', '.join(map(str, row))})")
+    prompt, answer = row[prompt_field], row[answer_field]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"{where}: field {prompt_field!r} is empty or not text: {prompt!r}")
+    if answer is None or (isinstance(answer, str) and not answer.strip()):
+        raise ValueError(f"{where}: field {answer_field!r} is empty: {answer!r}")
+    columns = dict(row)
+    if cfg.name == "gsm8k":
+        match = _GSM8K_FINAL.search(str(answer))
+        if match is None:
+            raise ValueError(
+                f"{where}: field {answer_field!r} has no final '#### <answer>': {_short(answer)}"
+            )
+        columns["solution"] = answer
+        answer = match.group(1).replace(",", "")
+    try:
+        text = template.format_map({**row, "prompt": prompt})
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"task.prompt_template={template!r} cannot be filled from {where}: {e!r}"
+        ) from None
+    return Example(prompt=text, answer=str(answer).strip(), columns=columns)
+
+
+def _read_rows(path: str, subset: str | None, split: str) -> list[tuple[str, dict[str, Any]]]:
+    """[(where, row)]: where names the file and line (or row) for error messages."""
+    file = Path(path).expanduser()
+    suffix = file.suffix.lower()
+    if suffix in (".jsonl", ".json", ".parquet") or file.exists():
+        if not file.is_file():
+            raise ValueError(f"task file {path!r} does not exist")
+        if suffix == ".jsonl" or (suffix == ".json" and _is_json_lines(file)):
+            return _read_jsonl(file)
+        if suffix == ".json":
+            data = json.loads(file.read_text())
+            if not isinstance(data, list):
+                raise ValueError(f"{path}: expected a list of objects or JSON lines")
+            return [
+                (f"{path} row {i + 1}", _as_row(r, f"{path} row {i + 1}"))
+                for i, r in enumerate(data)
+            ]
+        if suffix == ".parquet":
+            dataset = _datasets().load_dataset("parquet", data_files=str(file), split="train")
+            return [(f"{path} row {i + 1}", dict(r)) for i, r in enumerate(dataset)]
+        raise ValueError(f"task file {path!r}: use .jsonl, .json or .parquet")
+    dataset = _datasets().load_dataset(path, subset, split=split)
+    return [(f"{path}[{split}] row {i + 1}", dict(r)) for i, r in enumerate(dataset)]
+
+
+def _read_jsonl(file: Path) -> list[tuple[str, dict[str, Any]]]:
+    rows = []
+    with file.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{file} line {lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            rows.append((where, _as_row(row, where)))
+    return rows
+
+
+def _is_json_lines(file: Path) -> bool:
+    with file.open(encoding="utf-8") as f:
+        head = f.read(1).strip() or f.read(64).lstrip()[:1]
+    return head == "{"
+
+
+def _as_row(row: Any, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(
+            "reading .parquet files and dataset ids needs the `datasets` package: "
+            "pip install datasets"
+        ) from None
+    return datasets
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = str(value)
+    return repr(text if len(text) <= width else "..." + text[-width:])
