@@ -6,11 +6,58 @@ import argparse
 import sys
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from grpolab.selfcheck import run_core_selfcheck
+def _fail(message: str) -> int:
+    print(f"grpolab: error: {message}", file=sys.stderr)
+    return 2
 
-    # Until the trainer lands, the main job runs the core's own checks on a tiny model.
-    return run_core_selfcheck()
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from grpolab.config import ConfigError, load_config
+    from grpolab.trainer import NonFiniteError, train
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        train(cfg, resume=args.resume, overwrite=args.overwrite)
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+        return _fail(str(e))
+    except NonFiniteError as e:
+        _fail(str(e))
+        return 3
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from grpolab.config import ConfigError, load_config
+    from grpolab.trainer import run_eval
+
+    overrides = list(args.overrides)
+    if args.model:
+        overrides.append(f"model.name_or_path={args.model}")
+    if args.task:
+        overrides.append(f"task.name={args.task}")
+    try:
+        cfg = load_config(args.config, overrides)
+        run_eval(cfg, args.examples, args.pass_at_k, args.samples, args.temperature)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        return _fail(str(e))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from grpolab.report import write_report
+
+    try:
+        write_report(args.run_dir)
+    except (FileNotFoundError, ValueError) as e:
+        return _fail(str(e))
+    return 0
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from grpolab.warmup import WarmupConfig, warmup
+
+    warmup(args.output, WarmupConfig(steps=args.steps, seed=args.seed))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +66,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run GRPO training (no arguments: the CPU demo)")
+    train.add_argument("--config", help="YAML config file (default: the built-in CPU demo)")
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="PATH",
+        help="continue from the latest checkpoint in output_dir, or from PATH",
+    )
+    train.add_argument(
+        "--overwrite", action="store_true", help="replace a previous run in output_dir"
+    )
+    train.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="e.g. trainer.learning_rate=1e-6"
+    )
     train.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser("eval", help="held-out accuracy (and pass@k) of a model")
+    ev.add_argument("--model", help="model directory or hub id (default: the demo model)")
+    ev.add_argument("--task", help="task name (default: arithmetic)")
+    ev.add_argument("--config", help="YAML config file for the task/rollout sections")
+    ev.add_argument("--examples", type=int, default=None, help="held-out problems (default all)")
+    ev.add_argument("--pass-at-k", type=int, default=None, metavar="K", help="also pass@K")
+    ev.add_argument("--samples", type=int, default=None, help="samples per problem for pass@k")
+    ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    ev.set_defaults(func=cmd_eval)
+
+    rep = sub.add_parser("report", help="plots and a one-page summary of a run directory")
+    rep.add_argument("run_dir")
+    rep.set_defaults(func=cmd_report)
+
+    wu = sub.add_parser("warmup", help="regenerate the demo's warm-up model (supervised)")
+    wu.add_argument("--output", default="src/grpolab/data/demo-warmup")
+    wu.add_argument("--steps", type=int, default=120)
+    wu.add_argument("--seed", type=int, default=0)
+    wu.set_defaults(func=cmd_warmup)
     return parser
 
 

@@ -103,8 +103,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # The demo's answers are at most 3 digits + EOS; real tasks set their own length.
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(max_completion_length=6))
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(num_threads=2))
 
     @property
     def batch_size(self) -> int:

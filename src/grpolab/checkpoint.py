@@ -1,0 +1,151 @@
+"""Checkpoints: Hugging Face weights + optimizer, scheduler, RNG and data position, written
+atomically (temporary directory, then rename), so a crash never leaves a half checkpoint
+as the latest one."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpolab.models import load_policy, save_policy
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+COMPLETE = "COMPLETE"  # written last, inside the temporary directory, before the rename
+TRAINER_STATE = "trainer_state.pt"
+STATE_JSON = "trainer_state.json"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    tokenizer,
+    extra: dict[str, Any],
+    state: dict[str, Any],
+    save_total_limit: int | None = None,
+) -> Path:
+    """Write checkpoint-{step}: weights (safetensors) + tokenizer + `extra` (optimizer,
+    scheduler, RNG and data states, torch-saved) + `state` (JSON). Returns its path."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    final = output_dir / f"checkpoint-{step}"
+    tmp = output_dir / f".tmp-checkpoint-{step}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_policy(model, tokenizer, tmp)
+    torch.save(extra, tmp / TRAINER_STATE)
+    (tmp / STATE_JSON).write_text(json.dumps({"step": step, **state}, indent=2))
+    _write_synced(tmp / COMPLETE, str(step))
+    _fsync_dir(tmp)
+    if final.exists():  # the same step saved again (e.g. a final save right after a periodic one)
+        old = output_dir / f".old-checkpoint-{step}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(output_dir)
+    prune_checkpoints(output_dir, save_total_limit)
+    return final
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in `output_dir`, oldest first."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for p in output_dir.iterdir():
+        m = CHECKPOINT_RE.match(p.name)
+        if m and p.is_dir() and (p / COMPLETE).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def prune_checkpoints(output_dir: str | Path, keep: int | None) -> None:
+    if keep is None:
+        return
+    for p in list_checkpoints(output_dir)[:-keep]:
+        shutil.rmtree(p)
+
+
+def load_checkpoint(path: str | Path, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer, extra, state) from a complete checkpoint directory."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a complete grpolab checkpoint (no {COMPLETE} marker)"
+        )
+    model, tokenizer = load_policy(path, dtype=dtype, device=device)
+    extra = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+    state = json.loads((path / STATE_JSON).read_text())
+    return model, tokenizer, extra, state
+
+
+def check_same_model(start: torch.nn.Module, checkpoint_dir: str | Path) -> None:
+    """Refuse a checkpoint whose architecture differs from the model the run starts from."""
+    saved = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    ours = start.config.to_dict()
+    keys = (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+    )
+    for key in keys:
+        if key in saved and key in ours and saved[key] != ours[key]:
+            raise ValueError(
+                f"checkpoint {str(checkpoint_dir)!r} is from a different model: its {key} is "
+                f"{saved[key]!r}, the configured model's is {ours[key]!r}"
+            )
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

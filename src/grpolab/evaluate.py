@@ -1,0 +1,78 @@
+"""Held-out evaluation: greedy accuracy, and pass@k from n samples per problem."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from grpolab.rewards import Rewards, RewardsConfig, load_rewards, score
+from grpolab.rollout.base import SamplingParams
+from grpolab.tasks.base import Example
+
+
+def accuracy_rewards(rewards_cfg: RewardsConfig | None, task_cfg) -> Rewards:
+    """The accuracy reward alone (1 = correct), in the run's accuracy mode."""
+    mode = getattr(rewards_cfg, "accuracy_mode", "auto")
+    return load_rewards(RewardsConfig(functions=["accuracy"], accuracy_mode=mode), task=task_cfg)
+
+
+def correct(
+    completions: Sequence[str], examples: Sequence[Example], rewards: Rewards
+) -> torch.Tensor:
+    """[B] bool: the accuracy reward is 1. One example per completion."""
+    result = score(list(completions), list(examples), rewards, num_generations=1)
+    return torch.nan_to_num(result.per_function["accuracy"], nan=0.0) >= 1.0
+
+
+def evaluate_accuracy(
+    engine,
+    examples: Sequence[Example],
+    rewards: Rewards,
+    max_completion_length: int,
+    batch_size: int = 500,
+) -> float:
+    """Greedy accuracy in percent on `examples`."""
+    hits = 0
+    params = SamplingParams(temperature=0.0, max_completion_length=max_completion_length)
+    for s in range(0, len(examples), batch_size):
+        chunk = list(examples[s : s + batch_size])
+        rollout = engine.generate([e.prompt for e in chunk], 1, params)
+        hits += int(correct(rollout.completions, chunk, rewards).sum())
+    return 100.0 * hits / max(1, len(examples))
+
+
+def pass_at_k_estimate(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def evaluate_pass_at_k(
+    engine,
+    examples: Sequence[Example],
+    rewards: Rewards,
+    max_completion_length: int,
+    k: int,
+    n: int | None = None,
+    temperature: float = 1.0,
+    seed: int = 0,
+    batch_prompts: int = 64,
+) -> float:
+    """pass@k in percent from n >= k samples per problem at `temperature`."""
+    n = n or k
+    if n < k:
+        raise ValueError(f"pass@k needs n >= k samples, got n={n}, k={k}")
+    total = 0.0
+    for s in range(0, len(examples), batch_prompts):
+        chunk = list(examples[s : s + batch_prompts])
+        params = SamplingParams(
+            temperature=temperature, max_completion_length=max_completion_length, seed=seed + s
+        )
+        rollout = engine.generate([e.prompt for e in chunk], n, params)
+        per_sample = [e for e in chunk for _ in range(n)]
+        hits = correct(rollout.completions, per_sample, rewards).view(-1, n).sum(1)  # [prompts]
+        total += sum(pass_at_k_estimate(n, int(c), k) for c in hits)
+    return 100.0 * total / max(1, len(examples))

@@ -1,0 +1,614 @@
+"""The GRPO trainer: the loop, top to bottom, in `train` and `grpo_step`.
+
+sample prompts_per_step prompts x G  -> rollout (eval mode, no grad)
+-> rewards [B] -> group advantages [B]
+-> logp_old (scheme A: a forward before any update; scheme B: the engine's)
+-> logp_ref from a frozen copy when beta > 0
+-> num_iterations inner epochs over minibatches (gradient accumulation over micro-batches)
+   -> grpo_loss -> backward -> clip grad norm -> AdamW step -> LR schedule
+-> metrics, sample completions, checkpoints
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from grpolab import core as core_module
+from grpolab.checkpoint import (
+    check_same_model,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from grpolab.config import Config, objective_fields, to_dict, to_yaml
+from grpolab.evaluate import accuracy_rewards, correct, evaluate_accuracy, evaluate_pass_at_k
+from grpolab.models import load_policy
+from grpolab.rewards import Rewards, load_rewards, score
+from grpolab.rollout import build_engine
+from grpolab.tasks import load_task
+from grpolab.tracking import Tracker, progress_bar
+
+DEMO_MODEL_DIR = Path(__file__).parent / "data" / "demo-warmup"
+RUN_FILES = ("config.yaml", "objective.txt", "metrics.jsonl", "completions.jsonl", "summary.json")
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+# --- The core functions the loop calls (a learner's own implementation may replace them) ------
+
+
+@dataclass
+class CoreFns:
+    sequence_logprobs: Callable
+    group_advantages: Callable
+    policy_loss: Callable
+    kl_k3: Callable
+    aggregate: Callable
+    grpo_loss: Callable
+
+    @classmethod
+    def from_module(cls, module: ModuleType, fallback: CoreFns | None = None) -> CoreFns:
+        """The module's functions of these names; missing ones come from `fallback`."""
+        fns = {}
+        for f in fields(cls):
+            fn = getattr(module, f.name, None)
+            if fn is None and fallback is not None:
+                fn = getattr(fallback, f.name)
+            if fn is None:
+                raise ValueError(f"{module.__name__} defines no {f.name}")
+            fns[f.name] = fn
+        return cls(**fns)
+
+
+def default_core(logprobs_impl: str = "fused") -> CoreFns:
+    """grpolab.core, with the memory-efficient grpolab.logprobs for the log-probs."""
+    fns = CoreFns.from_module(core_module)
+    if logprobs_impl != "core":
+        try:
+            from grpolab.logprobs import token_logprobs
+        except ImportError:  # pragma: no cover - the fused path is optional
+            return fns
+
+        def sequence_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0):
+            return token_logprobs(
+                model, input_ids, attention_mask, completion_mask, temperature, impl=logprobs_impl
+            )
+
+        fns.sequence_logprobs = sequence_logprobs
+    return fns
+
+
+# --- Pure helpers -----------------------------------------------------------------------------
+
+
+def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
+    """Multiplier of the base LR after `s` optimizer steps: linear warm-up, then constant or
+    cosine to 0 at `total`."""
+
+    def f(s: int) -> float:
+        if warmup and s < warmup:
+            return (s + 1) / (warmup + 1)
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (s - warmup) / max(1, total - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def loss_scale(mode: str, micro_mask: torch.Tensor, unit_mask: torch.Tensor) -> float:
+    """Factor turning a micro-batch's `aggregate` loss into its share of the loss of the whole
+    optimizer-step unit, so accumulated gradients equal the one-pass gradient exactly:
+    sequence -> b_micro / b_unit; token -> tokens_micro / tokens_unit (aggregate clamps the
+    count at 1); constant -> b_micro / b_unit (same max_completion_length)."""
+    mode = core_module.LOSS_TYPE_ALIASES.get(mode, mode)
+    if mode == "token":
+        return float(micro_mask.sum().clamp(min=1)) / float(unit_mask.sum().clamp(min=1))
+    return micro_mask.shape[0] / unit_mask.shape[0]
+
+
+def first_nonfinite(named: dict[str, torch.Tensor | None]) -> str | None:
+    """The first of the named tensors (in order) holding a non-finite value, with a count."""
+    for name, t in named.items():
+        if t is not None and not torch.isfinite(t).all():
+            return f"{name} ({int((~torch.isfinite(t)).sum())} non-finite values)"
+    return None
+
+
+def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    return torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# --- One GRPO step ----------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """Everything the loop holds."""
+
+    cfg: Config
+    model: torch.nn.Module
+    tokenizer: Any
+    ref_model: torch.nn.Module | None
+    engine: Any
+    task: Any
+    rewards: Rewards  # the training reward functions
+    accuracy: Rewards  # the accuracy reward alone, for the accuracy metric and evaluation
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    data_gen: torch.Generator
+    core: CoreFns
+    device: torch.device
+    skipped_steps: int = 0
+    consecutive_nonfinite: int = 0
+
+
+def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One GRPO step. Returns (metrics, batch) where batch holds what a replay capsule needs."""
+    cfg, t, model, C = run.cfg, run.cfg.trainer, run.model, run.core
+    G = t.num_generations
+    temperature = cfg.rollout.temperature
+    timings: dict[str, float] = {}
+
+    # 1. Rollout: eval mode, no grad, a per-step seed (a resumed run samples the same).
+    tic = time.perf_counter()
+    examples = run.task.sample(t.prompts_per_step, run.data_gen)
+    rollout = run.engine.generate(
+        [e.prompt for e in examples], G, cfg.rollout.sampling(seed=cfg.seed * 1_000_003 + step)
+    )
+    timings["time/rollout"] = time.perf_counter() - tic
+
+    # 2. Rewards and group advantages.
+    tic = time.perf_counter()
+    scores = score(rollout, examples, run.rewards)
+    rewards = scores.total  # [B]
+    per_sample = [e for e in examples for _ in range(G)]
+    is_correct = correct(rollout.completions, per_sample, run.accuracy)  # [B] bool
+    advantages = C.group_advantages(rewards, G, scale=t.scale_rewards, eps=t.advantage_eps)  # [B]
+    timings["time/score"] = time.perf_counter() - tic
+
+    dev = run.device
+    input_ids = rollout.input_ids.to(dev)  # [B, T]
+    attention_mask = rollout.attention_mask.to(dev)  # [B, T]
+    completion_mask = rollout.completion_mask.to(dev)  # [B, T]
+    advantages = advantages.to(dev)
+    B = input_ids.shape[0]
+    mini = t.mini_batch_size or B
+    micro = mini // t.gradient_accumulation_steps
+    # With one optimizer step per batch the policy cannot change before the loss forward,
+    # so that forward's detached log-probs ARE scheme A's logp_old: no extra pass needed.
+    on_policy = t.num_iterations == 1 and mini == B and t.logprob_source == "trainer"
+
+    # 3. Old and reference log-probs, before any update.
+    tic = time.perf_counter()
+    logp_old = None  # [B, T-1]
+    if t.logprob_source == "engine":
+        if rollout.engine_logprobs is None:
+            raise ValueError("trainer.logprob_source=engine but the engine returned no log-probs")
+        logp_old = rollout.engine_logprobs.to(dev)
+    elif not on_policy:
+        logp_old = batched_logprobs(
+            C, model, input_ids, attention_mask, completion_mask, micro, temperature
+        )
+    logp_ref = None  # [B, T-1]
+    if t.beta > 0:
+        logp_ref = batched_logprobs(
+            C, run.ref_model, input_ids, attention_mask, completion_mask, micro, temperature
+        )
+    timings["time/logprobs"] = time.perf_counter() - tic
+
+    # 4. Inner epochs over minibatches; one optimizer step per minibatch.
+    tic = time.perf_counter()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    sums: dict[str, float] = {}
+    weight_total = 0.0
+    norms, skipped, nonfinite_what = [], 0, None
+    perm_gen = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
+    for _epoch in range(t.num_iterations):
+        order = torch.randperm(B, generator=perm_gen) if mini < B else torch.arange(B)
+        for start in range(0, B, mini):
+            unit = order[start : start + mini]
+            unit_mask = completion_mask[unit, 1:]  # [mini, T-1]
+            run.optimizer.zero_grad(set_to_none=True)
+            losses = []
+            bad = None
+            for m_start in range(0, mini, micro):
+                idx = unit[m_start : m_start + micro]
+                logp, mask = C.sequence_logprobs(
+                    model, input_ids[idx], attention_mask[idx], completion_mask[idx], temperature
+                )  # [b, T-1]
+                old = logp.detach() if logp_old is None else logp_old[idx]
+                ref = None if logp_ref is None else logp_ref[idx]
+                loss, m = C.grpo_loss(
+                    logp,
+                    old,
+                    ref,
+                    advantages[idx],
+                    mask,
+                    eps_low=t.epsilon,
+                    eps_high=t.epsilon_high,
+                    beta=t.beta,
+                    loss_agg=t.loss_type,
+                    max_completion_length=cfg.rollout.max_completion_length,
+                )
+                bad = bad or first_nonfinite({"logp_old": old, "logp_ref": ref, "logp_new": logp})
+                bad = bad or first_nonfinite({"loss": loss.detach()})
+                (loss * loss_scale(t.loss_type, mask, unit_mask)).backward()
+                losses.append(loss.detach() * loss_scale(t.loss_type, mask, unit_mask))
+                w = float(mask.sum())
+                weight_total += w
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * w
+            norm = grad_norm(params)
+            bad = bad or first_nonfinite({"gradient": norm})
+            if bad is None and t.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+            if bad is not None:
+                # The non-finite guard: nothing reaches the weights or the optimizer moments.
+                run.optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                nonfinite_what = nonfinite_what or bad
+            else:
+                run.optimizer.step()
+                norms.append(float(norm))
+            run.scheduler.step()
+    timings["time/update"] = time.perf_counter() - tic
+
+    # 5. Metrics.
+    metrics: dict[str, Any] = {
+        **scores.metrics,  # reward/mean|std, rewards/<fn>/mean, frac_reward_zero_std, lengths
+        "accuracy": float(is_correct.float().mean()),
+        **{k: v / max(weight_total, 1.0) for k, v in sums.items()},
+        "grad_norm": sum(norms) / len(norms) if norms else float("nan"),
+        "lr": run.scheduler.get_last_lr()[0],
+        "skipped": skipped,
+        **timings,
+    }
+    metrics["time/step"] = sum(timings.values())
+    metrics["tokens_per_s"] = float(attention_mask.sum()) / max(metrics["time/step"], 1e-9)
+    batch = {
+        "step": step,
+        "what": nonfinite_what,
+        "input_ids": input_ids.cpu(),
+        "attention_mask": attention_mask.cpu(),
+        "completion_mask": completion_mask.cpu(),
+        "rewards": rewards.cpu(),
+        "advantages": advantages.cpu(),
+        "logp_old": None if logp_old is None else logp_old.cpu(),
+        "logp_ref": None if logp_ref is None else logp_ref.cpu(),
+        "prompts": rollout.prompts,
+        "completions": rollout.completions,
+        "answers": [e.answer for e in examples for _ in range(G)],
+    }
+    return metrics, batch
+
+
+@torch.no_grad()
+def batched_logprobs(C, model, input_ids, attention_mask, completion_mask, chunk, temperature):
+    """Log-probs of the whole batch in chunks of `chunk` rows, no grad: [B, T-1]."""
+    out = []
+    for s in range(0, input_ids.shape[0], chunk):
+        logp, _ = C.sequence_logprobs(
+            model,
+            input_ids[s : s + chunk],
+            attention_mask[s : s + chunk],
+            completion_mask[s : s + chunk],
+            temperature,
+        )
+        out.append(logp)
+    return torch.cat(out)
+
+
+# --- The run: setup, loop, checkpoints, summary ----------------------------------------------
+
+
+def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
+    holds_run = output_dir.is_dir() and (
+        any((output_dir / f).exists() for f in RUN_FILES)
+        or any(p.name.startswith("checkpoint-") for p in output_dir.iterdir())
+    )
+    if holds_run and not resume and not overwrite:
+        raise FileExistsError(
+            f"output_dir={str(output_dir)!r} holds another run; pass --resume to continue it, "
+            "--overwrite to replace it, or choose another output_dir"
+        )
+    if holds_run and overwrite and not resume:
+        for p in output_dir.iterdir():
+            ours = p.name in (*RUN_FILES, "tensorboard", "nonfinite-capsule.pt")
+            if ours or p.name.startswith(("checkpoint-", ".tmp-checkpoint-")):
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+
+def load_start_model(cfg: Config, device: torch.device):
+    """The model training starts from: a local directory / hub id, or the shipped demo model."""
+    source = cfg.model.name_or_path
+    if source is None:
+        if not (DEMO_MODEL_DIR / "config.json").is_file():
+            raise FileNotFoundError(
+                f"the built-in demo model is missing at {DEMO_MODEL_DIR}; regenerate it with "
+                "`grpolab warmup`"
+            )
+        source = str(DEMO_MODEL_DIR)
+    elif not Path(source).expanduser().exists() and source.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model.name_or_path={source!r} does not exist")
+    return load_policy(source, dtype=cfg.model.dtype, device=device)
+
+
+def train(
+    cfg: Config,
+    resume: str | bool | None = None,
+    overwrite: bool = False,
+    core: CoreFns | None = None,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """Run GRPO as configured; returns the summary (also written to summary.json)."""
+    console = console or Console()
+    t = cfg.trainer
+    wall_start = time.time()
+    if t.num_threads:
+        torch.set_num_threads(t.num_threads)
+    device = resolve_device(cfg.model.device)
+    output_dir = Path(cfg.output_dir)
+    prepare_output_dir(output_dir, bool(resume), overwrite)
+
+    resume_dir: Path | None = None
+    if resume:
+        resume_dir = latest_checkpoint(output_dir) if resume is True else Path(resume)
+        if resume_dir is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in output_dir={str(output_dir)!r}")
+        if not resume_dir.is_dir():
+            raise FileNotFoundError(f"--resume {str(resume_dir)!r}: no such checkpoint directory")
+
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_start_model(cfg, device)
+    ref_model = None
+    if t.beta > 0:  # a frozen copy of the starting weights
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    data_gen = torch.Generator().manual_seed(cfg.seed)
+    steps_per_batch = t.num_iterations * (cfg.batch_size // (t.mini_batch_size or cfg.batch_size))
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2),
+        weight_decay=t.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(t.lr_scheduler, t.warmup_steps, cfg.max_steps * steps_per_batch)
+    )
+    start_step, state = 0, {}
+    if resume_dir is not None:
+        check_same_model(model, resume_dir)
+        saved, _, extra, state = load_checkpoint(resume_dir, cfg.model.dtype, str(device))
+        model.load_state_dict(saved.state_dict())
+        del saved
+        optimizer.load_state_dict(extra["optimizer"])
+        scheduler.load_state_dict(extra["scheduler"])
+        data_gen.set_state(extra["data_generator"])
+        set_rng_state(extra["rng"])
+        start_step = state["step"]
+        console.print(f"resuming from {resume_dir} at step {start_step}")
+
+    task = load_task(cfg.task)
+    rewards = load_rewards(
+        cfg.rewards, task=cfg.task, max_completion_length=cfg.rollout.max_completion_length
+    )
+    accuracy = accuracy_rewards(cfg.rewards, cfg.task)
+    engine = build_engine(
+        cfg.rollout,
+        model,
+        tokenizer,
+        chat_template=getattr(cfg.task, "chat_template", False),
+        system_prompt=getattr(cfg.task, "system_prompt", None),
+    )
+    run = Run(
+        cfg,
+        model,
+        tokenizer,
+        ref_model,
+        engine,
+        task,
+        rewards,
+        accuracy,
+        optimizer,
+        scheduler,
+        data_gen,
+        core or default_core(t.logprobs),
+        device,
+        skipped_steps=state.get("skipped_steps", 0),
+        consecutive_nonfinite=state.get("consecutive_nonfinite", 0),
+    )
+
+    card = core_module.objective_card(objective_fields(cfg))
+    (output_dir / "config.yaml").write_text(to_yaml(cfg))
+    (output_dir / "objective.txt").write_text(card + "\n")
+    console.print("[bold]Resolved config[/bold]\n" + to_yaml(cfg))
+    console.print(card)
+    tracker = Tracker(output_dir, t.report_to, to_dict(cfg), console, resume_step=start_step)
+
+    def evaluate(label: str) -> float | None:
+        if t.eval_examples == 0 or not task.eval:
+            return None
+        tic = time.perf_counter()
+        acc = evaluate_accuracy(
+            engine,
+            task.eval[: t.eval_examples],
+            accuracy,
+            t.eval_max_completion_length or cfg.rollout.max_completion_length,
+        )
+        console.print(
+            f"held-out accuracy {label}: [bold]{acc:.1f}%[/bold] "
+            f"({min(t.eval_examples, len(task.eval))} problems, greedy, "
+            f"{time.perf_counter() - tic:.1f} s)"
+        )
+        return acc
+
+    prior_wall = state.get("wall_seconds", 0.0)
+    accuracy_before = state.get("accuracy_before") if resume_dir else evaluate("before GRPO")
+    history = state.get("eval_history", [])
+
+    def save(step: int) -> Path:
+        extra = {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "data_generator": data_gen.get_state(),
+            "rng": rng_state(),
+        }
+        info = {
+            "skipped_steps": run.skipped_steps,
+            "consecutive_nonfinite": run.consecutive_nonfinite,
+            "accuracy_before": accuracy_before,
+            "eval_history": history,
+            "wall_seconds": prior_wall + time.time() - wall_start,
+        }
+        return save_checkpoint(output_dir, step, model, tokenizer, extra, info, t.save_total_limit)
+
+    step = start_step
+    with progress_bar(console, t.progress) as bar:
+        task_id = bar.add_task("grpo", total=cfg.max_steps, completed=start_step, info="")
+        for step in range(start_step + 1, cfg.max_steps + 1):
+            metrics, batch = grpo_step(run, step)
+            if metrics["skipped"]:
+                run.skipped_steps += 1
+                run.consecutive_nonfinite += 1
+            else:
+                run.consecutive_nonfinite = 0
+            metrics["skipped_steps"] = run.skipped_steps
+            if t.eval_steps and step % t.eval_steps == 0 and step < cfg.max_steps:
+                metrics["eval_accuracy"] = evaluate(f"at step {step}")
+                history.append([step, metrics["eval_accuracy"]])
+            tracker.log(step, metrics)
+            if t.log_completions_steps and (step == 1 or step % t.log_completions_steps == 0):
+                n = t.log_completions_count
+                tracker.log_completions(step, sample_rows(batch, n))
+            line = tracker.console_line(step, cfg.max_steps, metrics)
+            bar.update(task_id, completed=step, info=f"reward {metrics['reward/mean']:.3f}")
+            if step == start_step + 1 or step % 10 == 0 or metrics["skipped"]:
+                bar.console.print(line)
+            if run.consecutive_nonfinite >= t.max_consecutive_nonfinite:
+                path = save(step)
+                capsule = output_dir / "nonfinite-capsule.pt"
+                torch.save(
+                    {**batch, "rng": rng_state(), "data_generator": data_gen.get_state()}, capsule
+                )
+                tracker.close()
+                raise NonFiniteError(
+                    f"stopped at step {step}: {run.consecutive_nonfinite} consecutive steps with "
+                    f"a non-finite value, first {batch['what']}; weights unchanged since the "
+                    f"last good step, saved to {path}; replay capsule {capsule}"
+                )
+            if t.save_steps and step % t.save_steps == 0 and step < cfg.max_steps:
+                save(step)
+
+    checkpoint = (
+        save(cfg.max_steps) if cfg.max_steps > start_step or resume_dir is None else resume_dir
+    )
+    accuracy_after = evaluate("after GRPO")
+    tracker.close()
+    summary = {
+        "accuracy_before": accuracy_before,
+        "accuracy_after": accuracy_after,
+        "accuracy_gain": (
+            None
+            if accuracy_before is None or accuracy_after is None
+            else accuracy_after - accuracy_before
+        ),
+        "steps": step,
+        "skipped_steps": run.skipped_steps,
+        "eval_history": history,
+        "wall_seconds": prior_wall + time.time() - wall_start,
+        "checkpoint": str(checkpoint),
+        "eval_examples": min(t.eval_examples, len(task.eval)),
+    }
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if accuracy_before is not None and accuracy_after is not None:
+        console.print(
+            f"[bold]held-out accuracy: {accuracy_before:.1f}% before GRPO -> "
+            f"{accuracy_after:.1f}% after {step} steps "
+            f"({accuracy_after - accuracy_before:+.1f} points)[/bold] in "
+            f"{summary['wall_seconds']:.0f} s; run directory {output_dir}"
+        )
+    return summary
+
+
+def sample_rows(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    rows = []
+    G = max(1, len(batch["prompts"]) // max(1, n))  # spread over groups
+    for i in range(0, min(n * G, len(batch["prompts"])), G):
+        rows.append(
+            {
+                "prompt": batch["prompts"][i],
+                "completion": batch["completions"][i],
+                "answer": batch["answers"][i],
+                "reward": float(batch["rewards"][i]),
+                "advantage": float(batch["advantages"][i]),
+            }
+        )
+    return rows
+
+
+def run_eval(
+    cfg: Config,
+    examples: int | None = None,
+    pass_at_k: int | None = None,
+    samples: int | None = None,
+    temperature: float = 1.0,
+    console: Console | None = None,
+) -> dict[str, float]:
+    """`grpolab eval`: greedy accuracy (and pass@k) of cfg.model on cfg.task's held-out set."""
+    console = console or Console()
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    device = resolve_device(cfg.model.device)
+    model, tokenizer = load_start_model(cfg, device)
+    task = load_task(cfg.task)
+    held_out = task.eval[:examples] if examples else task.eval
+    if not held_out:
+        raise ValueError(f"task {cfg.task.name!r} has no held-out examples (task.num_eval)")
+    engine = build_engine(
+        cfg.rollout,
+        model,
+        tokenizer,
+        chat_template=getattr(cfg.task, "chat_template", False),
+        system_prompt=getattr(cfg.task, "system_prompt", None),
+    )
+    accuracy = accuracy_rewards(cfg.rewards, cfg.task)
+    length = cfg.trainer.eval_max_completion_length or cfg.rollout.max_completion_length
+    result = {"accuracy": evaluate_accuracy(engine, held_out, accuracy, length)}
+    console.print(f"accuracy (greedy): {result['accuracy']:.1f}% on {len(held_out)} problems")
+    if pass_at_k:
+        key = f"pass@{pass_at_k}"
+        result[key] = evaluate_pass_at_k(
+            engine, held_out, accuracy, length, pass_at_k, samples, temperature, cfg.seed
+        )
+        n = samples or pass_at_k
+        console.print(f"{key}: {result[key]:.1f}% ({n} samples per problem, T={temperature:g})")
+    return result
