@@ -164,3 +164,60 @@ def test_bad_prompts(model, tokenizer):
         engine.generate(["9" * context], 2, SamplingParams(max_completion_length=4))
     with pytest.raises(ValueError, match="num_generations"):
         engine.generate(["1+1="], 0, SamplingParams())
+
+
+# --- `grpolab rollout` ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from grpolab.models import save_policy
+
+    tok = build_char_tokenizer()
+    path = tmp_path_factory.mktemp("policy")
+    save_policy(build_tiny_model(tok, TinyModelSpec(), seed=1), tok, path)
+    return path
+
+
+def test_rollout_command_json(model_dir, capsys):
+    import json
+
+    from grpolab.rollout_cli import main
+    from grpolab.tasks import SAMPLE_GSM8K
+
+    args = [
+        "--n-prompts", "2", "--json",
+        f"model.name_or_path={model_dir}",
+        "task.name=gsm8k", f"task.path={SAMPLE_GSM8K}", "task.prompt_template={prompt}",
+        "trainer.num_generations=3", "rollout.max_completion_length=6",
+        "rewards.functions=accuracy,format", "rewards.weights=1,0.5",
+    ]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    samples = out["samples"]
+    assert len(samples) == 6 and [s["group"] for s in samples] == [0, 0, 0, 1, 1, 1]
+    for s in samples:
+        assert {"group", "prompt", "completion", "reward", "truncated"} <= set(s)
+        assert s["rewards"].keys() == {"accuracy", "format"}
+        assert s["reward"] == s["rewards"]["accuracy"] + 0.5 * s["rewards"]["format"]
+        assert s["length"] <= 6 and (not s["truncated"] or s["length"] == 6)
+    assert samples[0]["prompt"] == samples[2]["prompt"] != samples[3]["prompt"]
+    assert "reward_errors/accuracy" in out["metrics"] and "truncated_frac" in out["metrics"]
+    # Deterministic: same config and seed, same samples.
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == samples
+
+
+def test_rollout_command_table_and_errors(model_dir, capsys):
+    from grpolab.rollout_cli import main
+
+    assert main(["--n-prompts", "1", f"model.name_or_path={model_dir}",
+                 "trainer.num_generations=2", "rollout.max_completion_length=4"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "rollout: arithmetic, G=2" in out and "accuracy" in out
+    assert main(["trainer.num_generations=1"]) == 2
+    assert "trainer.num_generations=1" in capsys.readouterr().err
+    assert main(["task.name=jsonl", "task.path=/nonexistent/x.jsonl"]) == 2
+    assert "/nonexistent/x.jsonl" in capsys.readouterr().err
+    assert main(["rewards.functions=nope.py:f"]) == 2
+    assert "reward file 'nope.py' does not exist" in capsys.readouterr().err

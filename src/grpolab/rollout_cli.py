@@ -1,0 +1,169 @@
+"""`grpolab rollout`: sample a few groups from the configured policy, score them, show them.
+
+    grpolab rollout                                   # demo model, arithmetic, 4 prompts
+    grpolab rollout --config gsm8k.yaml --n-prompts 2 --json
+    grpolab rollout task.name=gsm8k task.path=data.jsonl rollout.temperature=0.7
+
+The quickest look at what the trainer will see: prompts, completions, per-function rewards,
+truncation, and the reward metrics of the batch (reward_errors/<name> included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "data" / "demo-warmup"
+
+
+def add_rollout_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("rollout", help="sample, score and show a few groups (no training)")
+    p.add_argument("--config", help="YAML config file (default: the built-in CPU demo)")
+    p.add_argument("--n-prompts", type=int, default=4, metavar="N", help="prompts to sample")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. rollout.temperature=0.7")
+    p.set_defaults(func=cmd_rollout)
+    return p
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    # With --json, stdout carries the JSON object only; notes go to stderr.
+    console = Console(stderr=args.json)
+    try:
+        report = run_rollout(args.config, args.overrides, args.n_prompts, console)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"grpolab: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, allow_nan=False))
+    else:
+        print_report(report, console)
+    return 0
+
+
+def run_rollout(
+    config: str | None, overrides: list[str], n_prompts: int, console: Console
+) -> dict[str, Any]:
+    from grpolab.config import load_config
+    from grpolab.rewards import load_rewards, score
+    from grpolab.rollout import build_engine
+    from grpolab.tasks import load_task
+
+    cfg = load_config(config, overrides)
+    G = cfg.trainer.num_generations
+    if G < 2:
+        raise ValueError(f"trainer.num_generations={G}: expected an integer >= 2")
+    if n_prompts < 1:
+        raise ValueError(f"--n-prompts={n_prompts}: expected an integer >= 1")
+    task = load_task(cfg.task)
+    rewards = load_rewards(
+        cfg.rewards, task=cfg.task, max_completion_length=cfg.rollout.max_completion_length
+    )
+    model, tokenizer, model_name = load_model(cfg, console)
+    engine = build_engine(
+        cfg.rollout,
+        model,
+        tokenizer,
+        chat_template=cfg.task.chat_template,
+        system_prompt=cfg.task.system_prompt,
+        model_path=cfg.model.name_or_path,
+    )
+    examples = task.sample(min(n_prompts, len(task.train)), torch.Generator().manual_seed(cfg.seed))
+    rollout = engine.generate([e.prompt for e in examples], G, cfg.rollout.sampling(cfg.seed))
+    result = score(rollout, examples, rewards)
+    lengths = rollout.completion_mask.sum(dim=1).tolist()
+    samples = []
+    for i in range(rollout.batch_size):
+        samples.append(
+            {
+                "group": int(rollout.group_ids[i]),
+                "prompt": rollout.prompts[i],
+                "completion": rollout.completions[i],
+                "answer": examples[i // G].answer,
+                "reward": _finite(result.total[i].item()),
+                "rewards": {k: _finite(v[i].item()) for k, v in result.per_function.items()},
+                "truncated": bool(rollout.truncated[i]),
+                "length": int(lengths[i]),
+            }
+        )
+    return {
+        "model": model_name,
+        "task": cfg.task.name,
+        "num_generations": G,
+        "samples": samples,
+        "metrics": {k: _finite(v) for k, v in result.metrics.items()},
+    }
+
+
+def load_model(cfg, console: Console):
+    """(model, tokenizer, name): the configured model; none configured: the built-in demo
+    model, or a random tiny one (with a note) when the demo checkpoint has not been built."""
+    from grpolab.models import build_char_tokenizer, build_tiny_model, load_policy
+
+    device = cfg.model.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.model.name_or_path:
+        name = cfg.model.name_or_path
+        return (*load_policy(name, cfg.model.dtype, device), name)
+    if (DEMO_MODEL_DIR / "config.json").is_file():
+        return (*load_policy(DEMO_MODEL_DIR, cfg.model.dtype, device), "the demo model")
+    console.print(
+        f"[yellow]note:[/] no demo checkpoint at {DEMO_MODEL_DIR}: sampling from a randomly "
+        "initialised tiny model (set model.name_or_path to use a real one)"
+    )
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, seed=cfg.seed).to(device)
+    return model, tokenizer, "a random tiny model"
+
+
+def print_report(report: dict[str, Any], console: Console) -> None:
+    samples = report["samples"]
+    names = list(samples[0]["rewards"]) if samples else []
+    table = Table(
+        title=f"rollout: {report['task']}, G={report['num_generations']}, {report['model']}",
+        show_lines=True,
+    )
+    for col in ("group", "prompt", "completion", "answer", "reward", *names, "len", "trunc"):
+        table.add_column(col, overflow="fold")
+    for s in samples:
+        table.add_row(
+            str(s["group"]),
+            s["prompt"],
+            s["completion"],
+            s["answer"],
+            _fmt(s["reward"]),
+            *(_fmt(s["rewards"][n]) for n in names),
+            str(s["length"]),
+            "yes" if s["truncated"] else "",
+        )
+    console.print(table)
+    shown = ", ".join(f"{k}={_fmt(v)}" for k, v in report["metrics"].items())
+    console.print(shown)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="grpolab")
+    add_rollout_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["rollout", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
