@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     wu.add_argument("--steps", type=int, default=120)
     wu.add_argument("--seed", type=int, default=0)
     wu.set_defaults(func=cmd_warmup)
+
+    from grpolab.rollout_cli import add_rollout_parser
+
+    add_rollout_parser(sub)
     return parser
 
 
