@@ -1,0 +1,758 @@
+"""The preflight: every intermediate quantity of GRPO measured before training may start.
+
+The seed's seven goals (SPEC S8) plus the checks users of GRPO trainers lose days to. Each
+check measures a number on the user's real model and batch, compares it with what a correct
+implementation gives, and on failure names the likely bug. The functions under test come
+from a `CoreImpl`: grpolab's own core, or a user's file (`--impl`) with any of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpolab import core
+
+CORE_FUNCTIONS = (
+    "sequence_logprobs",
+    "group_advantages",
+    "policy_loss",
+    "kl_k3",
+    "aggregate",
+    "grpo_loss",
+)
+
+GOALS = {
+    1: "log-probs: shifted by one, float32 before log-softmax, temperature applied",
+    2: "advantages: population std, zero where std ~ 0, contiguous groups, group sums ~ 0",
+    3: "ratio: logp_old from an extra forward, exactly 1 before the first update",
+    4: "clip: min acts in both directions, eps_low / eps_high on the right sides",
+    5: "KL: k3 = exp(d) - d - 1, never negative, tracks the true KL",
+    6: "normalisation: the declared aggregation; prompt and padding carry no gradient",
+    7: "the assembled loss: finite, honest metrics, a step moves the policy the right way",
+}
+
+
+# --- What is checked ----------------------------------------------------------------------------
+
+
+@dataclass
+class CoreImpl:
+    """The six core functions under test, and where each one came from."""
+
+    sequence_logprobs: Callable = core.sequence_logprobs
+    group_advantages: Callable = core.group_advantages
+    policy_loss: Callable = core.policy_loss
+    kl_k3: Callable = core.kl_k3
+    aggregate: Callable = core.aggregate
+    grpo_loss: Callable = core.grpo_loss
+    source: dict[str, str] = field(default_factory=lambda: dict.fromkeys(CORE_FUNCTIONS, "grpolab"))
+    path: str | None = None
+
+
+class ImplLoadError(Exception):
+    """The user's implementation file could not be loaded (missing, syntax error, raises)."""
+
+    def __init__(self, message: str, line: int | None = None):
+        super().__init__(message)
+        self.line = line
+
+
+def load_impl(path: str | Path) -> CoreImpl:
+    """Load a Python file defining any of the core functions; the rest fall back to grpolab's."""
+    path = Path(path)
+    if not path.is_file():
+        raise ImplLoadError(f"--impl {str(path)!r}: no such file")
+    name = f"grpolab_impl_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as err:
+        raise ImplLoadError(
+            f"{path}:{err.lineno}: syntax error: {err.msg}", line=err.lineno
+        ) from None
+    except Exception as err:
+        line = impl_error_line(err, path)
+        raise ImplLoadError(
+            f"{path}:{line}: {type(err).__name__} while loading: {err}", line=line
+        ) from None
+    impl = CoreImpl(path=str(path))
+    for fn in CORE_FUNCTIONS:
+        if callable(getattr(module, fn, None)):
+            setattr(impl, fn, getattr(module, fn))
+            impl.source[fn] = str(path)
+    sys.modules.pop(name, None)
+    return impl
+
+
+def impl_error_line(err: BaseException, path: str | Path) -> int | None:
+    """The deepest line of `path` in the traceback of `err` (where the user's code failed)."""
+    target = str(Path(path).resolve())
+    line = None
+    for frame in traceback.extract_tb(err.__traceback__):
+        if str(Path(frame.filename).resolve()) == target:
+            line = frame.lineno
+    return line
+
+
+@dataclass
+class PreflightBatch:
+    """A real rollout batch: rows are left-padded prompt + completion + right padding."""
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    completion_mask: torch.Tensor  # [B, T]
+    rewards: torch.Tensor  # [B]
+    group_size: int
+    engine_logprobs: torch.Tensor | None = None  # [B, T-1], aligned like sequence_logprobs
+
+
+@dataclass
+class PreflightSettings:
+    """The declared objective the checks hold the implementation to."""
+
+    temperature: float = 1.0
+    loss_agg: str = "sequence"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    beta: float = 0.0
+    scale_rewards: str = "group"
+    advantage_eps: float = 1e-4
+    max_completion_length: int | None = None
+    engine_gap_max: float = 1e-3  # fp32 engines agree to ~1e-5; bf16 engines need more
+    seed: int = 0
+
+
+@dataclass
+class CheckResult:
+    id: str  # stable, e.g. "advantages.zero_std_groups"
+    goal: int  # 1..7 for the seed's goals, 0 for the checks beyond the seed
+    what: str  # what was measured
+    measured: Any  # the number (or a short string)
+    expected: str
+    passed: bool
+    hint: str = ""  # the likely bug, shown on failure
+    error: str | None = None  # the exception the implementation raised, if any
+    error_line: int | None = None  # its line in the --impl file
+
+    def to_json(self) -> dict:
+        measured = self.measured
+        if isinstance(measured, float) and not math.isfinite(measured):
+            measured = str(measured)
+        return {
+            "id": self.id,
+            "goal": self.goal,
+            "what": self.what,
+            "measured": measured,
+            "expected": self.expected,
+            "passed": self.passed,
+            "hint": "" if self.passed else self.hint,
+            "error": self.error,
+            "error_line": self.error_line,
+        }
+
+
+# --- The checks ----------------------------------------------------------------------------------
+
+HINTS = {
+    "logprobs.shift": "logits at position t predict token t+1: use logits[:, :-1] with "
+    "input_ids[:, 1:] and completion_mask[:, 1:]",
+    "logprobs.float32": "cast the logits to float32 before log_softmax (logits.float()); "
+    "bf16 log-softmax loses ~1e-2 per token",
+    "logprobs.temperature": "divide the logits by the sampling temperature before "
+    "log_softmax: the policy that sampled is softmax(logits / T)",
+    "advantages.group_sums": "subtract each group's own mean: r.view(-1, G).mean(dim=1)",
+    "advantages.population_std": "use the population std, std(unbiased=False) (divide by G), "
+    "and divide by (std + eps)",
+    "advantages.zero_std_groups": "set the advantage to exactly 0 where the group's std <= "
+    "eps: torch.where(std > eps, adv, 0)",
+    "advantages.contiguous": "the G samples of a prompt are contiguous: rewards.view(-1, G), "
+    "not view(G, -1) or a transpose",
+    "ratio.initial": "logp_old must come from the same model, same inputs and same mode "
+    "(dropout off or identical) right before the first update; ratio = exp(new - old)",
+    "clip.values": "per_token = -torch.min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) "
+    "* A): min (not max), and the minus sign because we minimise",
+    "clip.gradient": "the clipped term must be the active one (and get no gradient) only "
+    "where it is smaller: check torch.min and the clamp bounds",
+    "clip.asymmetric": "eps_low bounds the ratio from below (1 - eps_low), eps_high from "
+    "above (1 + eps_high): are they swapped?",
+    "clip.clip_frac": "clip_frac = masked mean of ((ratio * A) > (clipped * A)) over "
+    "completion tokens",
+    "kl.nonnegative": "use k3 = exp(d) - d - 1 with d = logp_ref - logp_new, not the naive "
+    "logp_new - logp_ref (which can be negative)",
+    "kl.identical": "k3 must be exactly 0 when the two policies are equal",
+    "kl.tracks_exact": "d = logp_ref - logp_new (not logp_new - logp_ref): only that sign "
+    "makes the k3 mean over samples of the new policy equal KL(new || ref)",
+    "norm.aggregation": "sequence-mean is ((x * m).sum(1) / m.sum(1).clamp(min=1)).mean(); "
+    "token-mean is (x * m).sum() / m.sum(); constant is (x * m).sum() / (B * L)",
+    "norm.masked_gradient": "mask = completion_mask[:, 1:] (not attention_mask): prompt and "
+    "padding tokens must carry no gradient",
+    "loss.finite": "the loss must be a finite scalar on a real batch",
+    "loss.metrics": "metrics are means over completion tokens only (mask them), and loss is "
+    "the value returned",
+    "loss.sgd_direction": "minimising the loss must raise the log-probs of positive-advantage "
+    "completions: check the sign of per_token",
+    "engine.agreement": "the engine and the trainer must compute log-probs the same way: "
+    "same temperature, same weights (sync after each update), same dtype",
+    "rewards.variance": "no group has reward variance: every advantage is 0 and nothing is "
+    "learned; make the task easier/harder or the reward denser",
+    "memory.worst_case": "the longest possible batch does not fit: lower "
+    "max_completion_length or the minibatch size",
+}
+
+
+def _result(id: str, goal: int, what: str, measured, expected: str, passed: bool) -> CheckResult:
+    return CheckResult(id, goal, what, measured, expected, bool(passed), HINTS.get(id, ""))
+
+
+def _loss(impl: CoreImpl, logp_new, logp_old, logp_ref, advantages, mask, s, beta=0.0, L=None):
+    return impl.grpo_loss(
+        logp_new,
+        logp_old,
+        logp_ref,
+        advantages,
+        mask,
+        eps_low=s.eps_low,
+        eps_high=s.eps_high,
+        beta=beta,
+        loss_agg=s.loss_agg,
+        max_completion_length=L or s.max_completion_length or logp_new.shape[1],
+    )
+
+
+def _signed_advantages(B: int) -> torch.Tensor:
+    """+1, -1, +1, ...: both signs in every group, independent of the advantage code."""
+    return torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2))
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    return x.abs().max().item() if x.numel() else 0.0
+
+
+def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _reference_logprobs(model, batch: PreflightBatch, temperature: float) -> torch.Tensor:
+    """float64 log-softmax of the model's own logits: [B, T-1]."""
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=_positions(batch.attention_mask),
+        ).logits[:, :-1]
+        logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+        return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+
+
+def _unpadded_rows(batch: PreflightBatch) -> PreflightBatch:
+    """The rows with no left padding (the longest prompts): there, any way of computing
+    positions agrees, so a low-precision model cannot blur the comparison."""
+    rows = batch.attention_mask[:, 0].bool().nonzero().flatten()[:8]
+    return PreflightBatch(
+        batch.input_ids[rows],
+        batch.attention_mask[rows],
+        batch.completion_mask[rows],
+        batch.rewards[rows],
+        batch.group_size,
+    )
+
+
+def check_logprobs(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
+    batch = _unpadded_rows(batch)
+    comp = batch.completion_mask[:, 1:].bool()  # the true completion tokens, [B, T-1]
+    with torch.no_grad():
+        logp, _ = impl.sequence_logprobs(
+            model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0
+        )
+        # The model's own labels loss (it shifts internally), one row at a time.
+        gaps = []
+        for i in range(batch.input_ids.shape[0]):
+            keep = batch.attention_mask[i].bool()
+            labels = batch.input_ids[i][keep].masked_fill(batch.completion_mask[i][keep] == 0, -100)
+            ce = model(input_ids=batch.input_ids[i][keep][None], labels=labels[None]).loss
+            ours = logp[i][comp[i]].double().mean()
+            gaps.append(abs(ours.item() + ce.item()))
+    shift_gap = max(gaps)
+    yield _result(
+        "logprobs.shift",
+        1,
+        "max |mean completion logp + model's labels CE| per row",
+        shift_gap,
+        "<= 1e-4",
+        shift_gap <= 1e-4,
+    )
+
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    with torch.no_grad():
+        logp_bf16, _ = impl.sequence_logprobs(
+            bf16, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0
+        )
+    reference = _reference_logprobs(bf16, batch, 1.0)
+    del bf16
+    gap = _max_abs((logp_bf16.double() - reference)[comp])
+    ok = logp_bf16.dtype == torch.float32 and gap <= 1e-4
+    yield _result(
+        "logprobs.float32",
+        1,
+        f"bf16 model: dtype {str(logp_bf16.dtype).removeprefix('torch.')}, max gap to float64",
+        gap,
+        "float32, <= 1e-4",
+        ok,
+    )
+
+    temperature = s.temperature if s.temperature != 1.0 else 0.7
+    with torch.no_grad():
+        logp_t, _ = impl.sequence_logprobs(
+            model, batch.input_ids, batch.attention_mask, batch.completion_mask, temperature
+        )
+    gap = _max_abs((logp_t.double() - _reference_logprobs(model, batch, temperature))[comp])
+    yield _result(
+        "logprobs.temperature",
+        1,
+        f"max gap to softmax(logits / {temperature:g}) reference",
+        gap,
+        "<= 1e-4",
+        gap <= 1e-4,
+    )
+
+
+def _reference_advantages(rewards: torch.Tensor, G: int, eps: float) -> torch.Tensor:
+    r = rewards.double().view(-1, G)
+    std = r.std(dim=1, unbiased=False, keepdim=True)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (std + eps)
+    return torch.where(std > eps, adv, torch.zeros_like(adv)).view(-1)
+
+
+def check_advantages(impl: CoreImpl, batch: PreflightBatch, s: PreflightSettings):
+    G = batch.group_size
+    # The batch's own rewards, then a designed batch: small G (so population and sample std
+    # differ by sqrt(G/(G-1))), an all-equal group, a float-noise group, and groups that an
+    # interleaved reading would mix.
+    real = impl.group_advantages(batch.rewards, G).double()
+    designed = torch.tensor(
+        [1.0, 0.0, 0.0, 0.0, 1, 1, 1, 1, 0.5, 0.5 + 1e-9, 0.5, 0.5 + 1e-9, 0.0, 0.25, 0.5, 2.0],
+        dtype=torch.float64,
+    )
+    adv = impl.group_advantages(designed, 4).double()
+
+    sums = max(_max_abs(real.view(-1, G).sum(1)), _max_abs(adv.view(-1, 4).sum(1)))
+    yield _result(
+        "advantages.group_sums",
+        2,
+        "max |sum of a group's advantages|",
+        sums,
+        "<= 1e-4",
+        sums <= 1e-4,
+    )
+
+    live = torch.tensor([0, 3])  # groups with real spread in the designed batch
+    stds = adv.view(-1, 4)[live].std(dim=1, unbiased=False)
+    dev = _max_abs(stds - 1)
+    yield _result(
+        "advantages.population_std",
+        2,
+        "max |population std of a group's advantages - 1| (G = 4)",
+        dev,
+        "<= 1e-2",
+        dev <= 1e-2,
+    )
+
+    zeros = adv.view(-1, 4)[1:3]
+    worst = _max_abs(zeros)
+    yield _result(
+        "advantages.zero_std_groups",
+        2,
+        "max |adv| in an equal-reward group and a 1e-9-noise group",
+        worst,
+        "== 0 exactly",
+        worst == 0.0,
+    )
+
+    layout = torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 0], dtype=torch.float64)
+    gap = max(
+        _max_abs(
+            impl.group_advantages(layout, 4).double() - _reference_advantages(layout, 4, 1e-4)
+        ),
+        _max_abs(adv - _reference_advantages(designed, 4, 1e-4)),
+    )
+    yield _result(
+        "advantages.contiguous",
+        2,
+        "max |adv - reference| with group i = samples [i*G, (i+1)*G)",
+        gap,
+        "<= 1e-3",
+        gap <= 1e-3,
+    )
+
+
+def check_ratio(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
+    # Both forwards in train mode, as the trainer runs them: dropout left on would show here.
+    model.train()
+    with torch.no_grad():
+        logp_old, _ = impl.sequence_logprobs(model, *args)  # scheme A: extra forward
+    logp_new, mask = impl.sequence_logprobs(model, *args)  # the first inner step, with grad
+    model.eval()
+    valid = batch.completion_mask[:, 1:].bool()
+    dev = _max_abs(torch.exp(logp_new.detach() - logp_old)[valid] - 1)
+    advantages = _signed_advantages(batch.input_ids.shape[0])
+    _, metrics = _loss(impl, logp_new, logp_old, None, advantages, mask, s)
+    dev = max(dev, abs(float(metrics["ratio_mean"]) - 1))
+    yield _result(
+        "ratio.initial",
+        3,
+        "max |ratio - 1| on the first inner step (and |ratio_mean - 1|)",
+        dev,
+        "<= 1e-3",
+        dev <= 1e-3,
+    )
+    if batch.engine_logprobs is not None:
+        gaps = (batch.engine_logprobs.double() - logp_old.double())[valid].abs()
+        worst = gaps.max().item() if gaps.numel() else 0.0
+        result = _result(
+            "engine.agreement",
+            0,
+            f"engine vs trainer logp: max gap (mean {gaps.mean().item():.2e})",
+            worst,
+            f"<= {s.engine_gap_max:g}",
+            worst <= s.engine_gap_max,
+        )
+        yield result
+
+
+def _clip_case(s: PreflightSettings):
+    """Ratios on both sides of both clip bounds, for both signs of the advantage, [4, 8]."""
+    lo, hi = 1 - s.eps_low, 1 + s.eps_high
+    mid_hi = 1 + (s.eps_low + s.eps_high) / 2  # between 1 + min(eps) and 1 + max(eps)
+    mid_lo = 1 - (s.eps_low + s.eps_high) / 2
+    ratios = torch.tensor(
+        [
+            [1.0, 1.05, hi + 0.1, hi + 0.5, lo - 0.1, 0.95, mid_hi, mid_lo],
+            [1.0, 1.05, hi + 0.1, hi + 0.5, lo - 0.1, 0.95, mid_hi, mid_lo],
+            [0.9, 1.1, hi + 0.2, lo - 0.05, lo - 0.3, 1.0, mid_hi, mid_lo],
+            [0.9, 1.1, hi + 0.2, lo - 0.05, lo - 0.3, 1.0, mid_hi, mid_lo],
+        ],
+        dtype=torch.float64,
+    )
+    logp_old = -torch.linspace(0.5, 3.0, 32, dtype=torch.float64).view(4, 8)
+    logp_new = logp_old + torch.log(ratios)
+    advantages = torch.tensor([1.0, -1.0, 0.7, -1.3], dtype=torch.float64)
+    mask = torch.ones(4, 8, dtype=torch.float64)
+    mask[2, 6:] = 0  # padding at the end of one row
+    return logp_new.float(), logp_old.float(), advantages.float(), mask.float()
+
+
+def _reference_policy(logp_new, logp_old, adv, mask, eps_low, eps_high):
+    ratio = torch.exp(logp_new.double() - logp_old.double())
+    A = adv.double().unsqueeze(1)
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(ratio * A, clipped * A)
+    active = (ratio * A) > (clipped * A)
+    return per_token, active & mask.bool()
+
+
+def check_clip(impl: CoreImpl, s: PreflightSettings):
+    logp_new, logp_old, adv, mask = _clip_case(s)
+    logp_new = logp_new.clone().requires_grad_(True)
+    per_token, clip_frac = impl.policy_loss(logp_new, logp_old, adv, mask, s.eps_low, s.eps_high)
+    ref, clipped = _reference_policy(logp_new.detach(), logp_old, adv, mask, s.eps_low, s.eps_high)
+    valid = mask.bool()
+    gap = _max_abs((per_token.double() - ref)[valid])
+    yield _result(
+        "clip.values",
+        4,
+        "max |per_token - (-min(r*A, clip(r)*A))| on a perturbed policy, both signs of A",
+        gap,
+        "<= 1e-5",
+        gap <= 1e-5,
+    )
+    (per_token * mask).sum().backward()
+    grad = logp_new.grad
+    clipped_grad = _max_abs(grad[clipped])
+    unclipped = valid & ~clipped
+    min_live = grad[unclipped].abs().min().item() if unclipped.any() else 1.0
+    yield _result(
+        "clip.gradient",
+        4,
+        f"max |grad| on clipped tokens (min |grad| elsewhere {min_live:.2g})",
+        clipped_grad,
+        "== 0 on clipped, != 0 elsewhere",
+        clipped_grad == 0.0 and min_live > 0,
+    )
+    # Tokens whose ratio lies between the two bounds: clipped or not depends on which eps is
+    # applied on which side.
+    probe = torch.zeros_like(valid)
+    probe[:, 6:] = True
+    probe &= valid
+    mismatch = int(((per_token.detach().double() - ref).abs() > 1e-5)[probe].sum())
+    yield _result(
+        "clip.asymmetric",
+        4,
+        f"tokens between 1+-eps_low and 1+-eps_high treated wrongly (eps {s.eps_low:g}/"
+        f"{s.eps_high:g})",
+        mismatch,
+        "0",
+        mismatch == 0,
+    )
+    direct = clipped.double().sum().item() / valid.sum().item()
+    gap = abs(float(clip_frac) - direct)
+    yield _result(
+        "clip.clip_frac",
+        4,
+        f"|clip_frac - direct count| (direct {direct:.3f})",
+        gap,
+        "<= 1e-6",
+        gap <= 1e-6,
+    )
+
+
+def check_kl(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
+    g = torch.Generator().manual_seed(s.seed)
+    # Real next-token distributions of the user's model at a few completion positions, and a
+    # perturbed copy as the reference policy.
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.input_ids[:4],
+            attention_mask=batch.attention_mask[:4],
+            position_ids=_positions(batch.attention_mask[:4]),
+        ).logits[:, :-1]
+        rows = logits[batch.completion_mask[:4, 1:].bool()][:4].double()  # [4, V]
+    logp_new = torch.log_softmax(rows, -1)
+    logp_ref = torch.log_softmax(
+        rows + 0.5 * torch.randn(rows.shape, generator=g, dtype=torch.float64), -1
+    )
+
+    samples_new = logp_new.float().flatten()
+    samples_ref = logp_ref.float().flatten()
+    kl = impl.kl_k3(samples_new.view(4, -1), samples_ref.view(4, -1))
+    lowest = kl.min().item()
+    yield _result(
+        "kl.nonnegative", 5, "min KL estimate over all tokens", lowest, ">= 0", lowest >= -1e-7
+    )
+    same = _max_abs(impl.kl_k3(samples_new.view(4, -1), samples_new.view(4, -1)))
+    yield _result("kl.identical", 5, "max |KL| for identical policies", same, "== 0", same <= 1e-7)
+
+    exact = (logp_new.exp() * (logp_new - logp_ref)).sum(-1)  # [4] exact KL(new || ref)
+    n = 20_000
+    idx = torch.multinomial(logp_new.exp(), n, replacement=True, generator=g)  # [4, n]
+    sampled_new = logp_new.gather(1, idx).float()
+    sampled_ref = logp_ref.gather(1, idx).float()
+    estimate = impl.kl_k3(sampled_new, sampled_ref).double().mean(dim=1)
+    rel = ((estimate - exact).abs() / exact.clamp(min=1e-6)).max().item()
+    yield _result(
+        "kl.tracks_exact",
+        5,
+        f"max relative gap of the Monte-Carlo mean to the exact KL ({exact.mean().item():.3f})",
+        rel,
+        "<= 0.1",
+        rel <= 0.1,
+    )
+
+
+def check_normalisation(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
+    g = torch.Generator().manual_seed(s.seed)
+    per_token = torch.randn(4, 6, generator=g)
+    lengths = [6, 1, 3, 4]
+    mask = torch.zeros(4, 6)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    L = s.max_completion_length or 8
+    values = {}
+    for mode in core.AGGREGATIONS:
+        values[mode] = float(core.aggregate(per_token, mask, mode, L))
+    declared = core.LOSS_TYPE_ALIASES.get(s.loss_agg, s.loss_agg)
+    got = float(impl.aggregate(per_token, mask, s.loss_agg, L))
+    # The assembled loss must use the same normaliser: at ratio 1 with A_i = -(i + 1) the
+    # per-token values of row i are all i + 1, so only the normaliser decides the value.
+    logp = torch.log(torch.rand(4, 6, generator=g) * 0.5 + 0.25)
+    advantages = -torch.arange(1.0, 5.0)
+    loss, _ = _loss(impl, logp, logp, None, advantages, mask, s, L=L)
+    per_token = (-advantages).unsqueeze(1).expand(4, 6)
+    expected_loss = float(core.aggregate(per_token, mask, declared, L))
+    gap = max(abs(got - values[declared]), abs(float(loss) - expected_loss))
+    others = ", ".join(f"{m} {v:.3f}" for m, v in values.items() if m != declared)
+    yield _result(
+        "norm.aggregation",
+        6,
+        f"|loss - {declared}-mean| on unequal lengths ({others})",
+        gap,
+        "<= 1e-5",
+        gap <= 1e-5,
+    )
+
+    logp_new, mask = impl.sequence_logprobs(
+        model, batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature
+    )
+    logp_new.retain_grad()
+    advantages = _signed_advantages(batch.input_ids.shape[0])
+    loss, _ = _loss(impl, logp_new, logp_new.detach(), None, advantages, mask, s)
+    loss.backward()
+    outside = ~batch.completion_mask[:, 1:].bool()
+    leak = _max_abs(logp_new.grad[outside])
+    model.zero_grad(set_to_none=True)
+    yield _result(
+        "norm.masked_gradient",
+        6,
+        "max |d loss / d logp| on prompt and padding positions",
+        leak,
+        "== 0",
+        leak == 0.0,
+    )
+
+
+def check_loss(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
+    g = torch.Generator().manual_seed(s.seed + 1)
+    # Metrics on a perturbed policy with a reference, against a direct computation.
+    logp_new, logp_old, adv, mask = _clip_case(s)
+    logp_ref = logp_old + 0.3 * torch.randn(logp_old.shape, generator=g)
+    beta = s.beta if s.beta > 0 else 0.04
+    loss, metrics = _loss(impl, logp_new, logp_old, logp_ref, adv, mask, s, beta=beta, L=8)
+    finite = (
+        bool(torch.isfinite(torch.as_tensor(loss)).all()) and torch.as_tensor(loss).numel() == 1
+    )
+    yield _result(
+        "loss.finite", 7, "loss on a perturbed policy with KL", float(loss), "finite scalar", finite
+    )
+
+    valid = mask.bool()
+    ratio = torch.exp(logp_new.double() - logp_old.double())
+    _, clipped = _reference_policy(logp_new, logp_old, adv, mask, s.eps_low, s.eps_high)
+    d = logp_ref.double() - logp_new.double()
+    direct = {
+        "loss": float(loss),
+        "clip_frac": clipped.double().sum().item() / valid.sum().item(),
+        "kl": (torch.exp(d) - d - 1)[valid].mean().item(),
+        "ratio_mean": ratio[valid].mean().item(),
+    }
+    gaps = {k: abs(float(metrics.get(k, float("nan"))) - v) for k, v in direct.items()}
+    worst_key = max(gaps, key=lambda k: gaps[k] if math.isfinite(gaps[k]) else math.inf)
+    worst = gaps[worst_key]
+    yield _result(
+        "loss.metrics",
+        7,
+        f"max |metric - direct masked computation| (worst: {worst_key})",
+        worst,
+        "<= 1e-4",
+        math.isfinite(worst) and worst <= 1e-4,
+    )
+
+    yield _sgd_direction(impl, model, batch, s)
+
+
+def _sgd_direction(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
+    """One small SGD step on a copy of the model with the implementation's loss."""
+    policy = copy.deepcopy(model).float().eval()
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
+    advantages = _signed_advantages(batch.input_ids.shape[0])
+    with torch.no_grad():
+        before, mask = core.sequence_logprobs(policy, *args)
+    logp_new, impl_mask = impl.sequence_logprobs(policy, *args)
+    loss, _ = _loss(impl, logp_new, before, None, advantages, impl_mask, s)
+    torch.as_tensor(loss).backward()
+    grads = [p.grad for p in policy.parameters() if p.grad is not None]
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item() if grads else 0.0
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.grad is not None:
+                p -= 1e-3 / max(norm, 1e-12) * p.grad  # a step of length 1e-3
+        after, _ = core.sequence_logprobs(policy, *args)
+    change = ((after - before) * mask).sum(1) / mask.sum(1).clamp(min=1)  # [B]
+    up = change[advantages > 0].mean().item()
+    down = change[advantages < 0].mean().item()
+    del policy
+    # To first order the gap up - down grows by c * |grad(A>0) - grad(A<0)|^2 >= 0 whatever
+    # the overlap of the two gradients, so the gap is the robust measure.
+    return _result(
+        "loss.sgd_direction",
+        7,
+        f"mean logp change after one SGD step: A>0 {up:+.2e}, A<0 {down:+.2e}",
+        up - down,
+        "> 0 (A>0 rises relative to A<0)",
+        up - down > 0,
+    )
+
+
+def check_rewards(batch: PreflightBatch):
+    r = batch.rewards.double().view(-1, batch.group_size)
+    zero = (r.std(dim=1, unbiased=False) <= 1e-4).double().mean().item()
+    yield _result(
+        "rewards.variance",
+        0,
+        "frac_reward_zero_std (groups that teach nothing)",
+        zero,
+        "< 1 (some group varies)",
+        zero < 1,
+    )
+
+
+# --- Running them ------------------------------------------------------------------------------
+
+
+def _guard(impl: CoreImpl, id: str, goal: int, fn: Callable, *args) -> list[CheckResult]:
+    """Run one check family; an exception in the implementation becomes a failed check."""
+    try:
+        return list(fn(*args))
+    except Exception as err:  # the user's code may raise anything
+        line = impl_error_line(err, impl.path) if impl.path else None
+        where = f"{impl.path}:{line}: " if line else ""
+        return [
+            CheckResult(
+                id=id,
+                goal=goal,
+                what="the implementation raised",
+                measured=type(err).__name__,
+                expected="no exception",
+                passed=False,
+                hint=HINTS.get(id, ""),
+                error=f"{where}{type(err).__name__}: {err}",
+                error_line=line,
+            )
+        ]
+
+
+def run_checks(
+    model,
+    batch: PreflightBatch,
+    settings: PreflightSettings | None = None,
+    impl: CoreImpl | None = None,
+) -> list[CheckResult]:
+    """All checks, in goal order. The model's train/eval mode and weights are left as found."""
+    s = settings or PreflightSettings()
+    impl = impl or CoreImpl()
+    was_training = model.training
+    model.eval()
+    torch.manual_seed(s.seed)
+    try:
+        results = []
+        results += _guard(impl, "logprobs.shift", 1, check_logprobs, impl, model, batch, s)
+        results += _guard(impl, "advantages.group_sums", 2, check_advantages, impl, batch, s)
+        results += _guard(impl, "ratio.initial", 3, check_ratio, impl, model, batch, s)
+        results += _guard(impl, "clip.values", 4, check_clip, impl, s)
+        results += _guard(impl, "kl.nonnegative", 5, check_kl, impl, model, batch, s)
+        results += _guard(impl, "norm.aggregation", 6, check_normalisation, impl, model, batch, s)
+        results += _guard(impl, "loss.finite", 7, check_loss, impl, model, batch, s)
+        results += list(check_rewards(batch))
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    return results
+
+
+def goal_status(results: list[CheckResult]) -> dict[int, bool]:
+    """Per seed goal (1..7): do all its checks pass?"""
+    status = {}
+    for goal in GOALS:
+        mine = [r for r in results if r.goal == goal]
+        status[goal] = bool(mine) and all(r.passed for r in mine)
+    return status
