@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import transformers
 from rich.console import Console
 
 from grpolab import core as core_module
@@ -278,8 +279,9 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
                 nonfinite_what = nonfinite_what or bad
             else:
                 run.optimizer.step()
+                run.scheduler.step()  # the schedule counts applied updates
                 norms.append(float(norm))
-            run.scheduler.step()
+    run.engine.sync_weights(model)  # a separate engine (vLLM) samples the next step from these
     timings["time/update"] = time.perf_counter() - tic
 
     # 5. Metrics.
@@ -363,6 +365,54 @@ def load_start_model(cfg: Config, device: torch.device):
     return load_policy(source, dtype=cfg.model.dtype, device=device)
 
 
+def make_run(
+    cfg: Config,
+    model: torch.nn.Module,
+    tokenizer,
+    device: torch.device | None = None,
+    core: CoreFns | None = None,
+) -> Run:
+    """Task, rewards, engine, reference copy, optimizer and LR schedule around `model`."""
+    t = cfg.trainer
+    ref_model = None
+    if t.beta > 0:  # a frozen copy of the starting weights
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    steps_per_batch = t.num_iterations * (cfg.batch_size // (t.mini_batch_size or cfg.batch_size))
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2),
+        weight_decay=t.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(t.lr_scheduler, t.warmup_steps, cfg.max_steps * steps_per_batch)
+    )
+    engine = build_engine(
+        cfg.rollout,
+        model,
+        tokenizer,
+        chat_template=getattr(cfg.task, "chat_template", False),
+        system_prompt=getattr(cfg.task, "system_prompt", None),
+    )
+    return Run(
+        cfg=cfg,
+        model=model,
+        tokenizer=tokenizer,
+        ref_model=ref_model,
+        engine=engine,
+        task=load_task(cfg.task),
+        rewards=load_rewards(
+            cfg.rewards, task=cfg.task, max_completion_length=cfg.rollout.max_completion_length
+        ),
+        accuracy=accuracy_rewards(cfg.rewards, cfg.task),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data_gen=torch.Generator().manual_seed(cfg.seed),
+        core=core or default_core(t.logprobs),
+        device=device or next(model.parameters()).device,
+    )
+
+
 def train(
     cfg: Config,
     resume: str | bool | None = None,
@@ -374,6 +424,7 @@ def train(
     console = console or Console()
     t = cfg.trainer
     wall_start = time.time()
+    transformers.utils.logging.disable_progress_bar()
     if t.num_threads:
         torch.set_num_threads(t.num_threads)
     device = resolve_device(cfg.model.device)
@@ -390,62 +441,23 @@ def train(
 
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_start_model(cfg, device)
-    ref_model = None
-    if t.beta > 0:  # a frozen copy of the starting weights
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    data_gen = torch.Generator().manual_seed(cfg.seed)
-    steps_per_batch = t.num_iterations * (cfg.batch_size // (t.mini_batch_size or cfg.batch_size))
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=t.learning_rate,
-        betas=(t.adam_beta1, t.adam_beta2),
-        weight_decay=t.weight_decay,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(t.lr_scheduler, t.warmup_steps, cfg.max_steps * steps_per_batch)
-    )
+    run = make_run(cfg, model, tokenizer, device, core)
     start_step, state = 0, {}
     if resume_dir is not None:
         check_same_model(model, resume_dir)
         saved, _, extra, state = load_checkpoint(resume_dir, cfg.model.dtype, str(device))
         model.load_state_dict(saved.state_dict())
         del saved
-        optimizer.load_state_dict(extra["optimizer"])
-        scheduler.load_state_dict(extra["scheduler"])
-        data_gen.set_state(extra["data_generator"])
+        run.optimizer.load_state_dict(extra["optimizer"])
+        run.scheduler.load_state_dict(extra["scheduler"])
+        run.data_gen.set_state(extra["data_generator"])
         set_rng_state(extra["rng"])
         start_step = state["step"]
+        run.skipped_steps = state.get("skipped_steps", 0)
+        run.consecutive_nonfinite = state.get("consecutive_nonfinite", 0)
         console.print(f"resuming from {resume_dir} at step {start_step}")
-
-    task = load_task(cfg.task)
-    rewards = load_rewards(
-        cfg.rewards, task=cfg.task, max_completion_length=cfg.rollout.max_completion_length
-    )
-    accuracy = accuracy_rewards(cfg.rewards, cfg.task)
-    engine = build_engine(
-        cfg.rollout,
-        model,
-        tokenizer,
-        chat_template=getattr(cfg.task, "chat_template", False),
-        system_prompt=getattr(cfg.task, "system_prompt", None),
-    )
-    run = Run(
-        cfg,
-        model,
-        tokenizer,
-        ref_model,
-        engine,
-        task,
-        rewards,
-        accuracy,
-        optimizer,
-        scheduler,
-        data_gen,
-        core or default_core(t.logprobs),
-        device,
-        skipped_steps=state.get("skipped_steps", 0),
-        consecutive_nonfinite=state.get("consecutive_nonfinite", 0),
-    )
+    optimizer, scheduler, data_gen, task = run.optimizer, run.scheduler, run.data_gen, run.task
+    engine, accuracy = run.engine, run.accuracy
 
     card = core_module.objective_card(objective_fields(cfg))
     (output_dir / "config.yaml").write_text(to_yaml(cfg))

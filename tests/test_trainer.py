@@ -1,0 +1,256 @@
+"""The trainer on the real demo model (a tiny Llama): the loop, resume, the non-finite guard."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from grpolab import core
+from grpolab.checkpoint import latest_checkpoint, save_checkpoint
+from grpolab.cli import main
+from grpolab.config import load_config
+from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model, load_policy
+from grpolab.trainer import (
+    NonFiniteError,
+    default_core,
+    grpo_step,
+    load_start_model,
+    lr_lambda,
+    make_run,
+    train,
+)
+
+SMALL = [
+    "trainer.prompts_per_step=4",
+    "trainer.num_generations=4",
+    "trainer.eval_examples=16",
+    "trainer.progress=false",
+    "trainer.log_completions_steps=1",
+]
+TIME_KEYS = ("time/", "tokens_per_s")
+
+
+def small_config(tmp_path, *extra: str, name: str = "run"):
+    return load_config(None, [f"output_dir={tmp_path / name}", "max_steps=2", *SMALL, *extra])
+
+
+def seq_logp(run, batch) -> torch.Tensor:
+    """Sum of completion log-probs per sequence under the run's model: [B]."""
+    with torch.no_grad():
+        logp, mask = core.sequence_logprobs(
+            run.model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+        )
+    return (logp * mask).sum(1)
+
+
+def test_one_step_moves_logprobs_toward_positive_advantages(tmp_path):
+    cfg = small_config(tmp_path, "trainer.prompts_per_step=8", "trainer.learning_rate=1e-3")
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    run = make_run(cfg, model, tokenizer)
+    metrics, batch = grpo_step(run, 1)
+    adv = batch["advantages"]  # [B]
+    assert adv.abs().sum() > 0, "no group had mixed rewards; pick another seed"
+    after_logp = seq_logp(run, batch)
+    model.load_state_dict(before)
+    before_logp = seq_logp(run, batch)
+    delta = after_logp - before_logp  # [B]
+    assert not torch.equal(after_logp, before_logp)
+    # First order: the step raises the log-prob of positive-advantage samples and lowers the
+    # others; a sign error in the loss makes this negative.
+    assert (adv * delta).sum() > 0
+    assert delta[adv > 0].mean() > delta[adv < 0].mean()
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["skipped"] == 0
+
+
+@pytest.mark.parametrize("loss_type", ["sequence", "token", "constant"])
+def test_gradient_accumulation_equals_one_pass(tmp_path, loss_type):
+    grads = []
+    for accumulation in (1, 4):
+        cfg = small_config(
+            tmp_path,
+            f"trainer.loss_type={loss_type}",
+            f"trainer.gradient_accumulation_steps={accumulation}",
+            "trainer.max_grad_norm=0",  # compare raw gradients
+            "trainer.beta=0.1",  # the reference path too
+            "trainer.logprobs=core",
+        )
+        model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+        run = make_run(cfg, model, tokenizer)
+        _, batch = grpo_step(run, 1)
+        assert batch["advantages"].abs().sum() > 0
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for one, acc in zip(*grads, strict=True):
+        torch.testing.assert_close(acc, one, rtol=1e-4, atol=1e-7)
+
+
+def test_demo_end_to_end_through_the_cli(tmp_path, capsys):
+    out = tmp_path / "demo"
+    rc = main(["train", f"output_dir={out}", "max_steps=2", "trainer.save_steps=1", *SMALL])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "held-out accuracy before GRPO" in printed and "GRPO objective" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("accuracy_before", "accuracy_after", "steps", "wall_seconds"):
+        assert summary[key] is not None, key
+    assert summary["steps"] == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "rewards/accuracy/mean",
+        "accuracy",
+        "frac_reward_zero_std",
+        "completion_length/mean",
+        "loss",
+        "kl",
+        "clip_frac_low",
+        "clip_frac_high",
+        "ratio_mean",
+        "adv_std",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "time/rollout",
+        "time/score",
+        "time/logprobs",
+        "time/update",
+    ):
+        assert key in rows[0], key
+    assert (out / "completions.jsonl").read_text().strip()
+    assert (out / "config.yaml").is_file() and (out / "objective.txt").is_file()
+    # Hugging Face format: transformers loads the final checkpoint directly.
+    latest = latest_checkpoint(out)
+    assert latest is not None and latest.name == "checkpoint-2"
+    model, _ = load_policy(latest)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_refuses_an_output_dir_holding_another_run(tmp_path):
+    cfg = small_config(tmp_path, "max_steps=1", "trainer.eval_examples=0")
+    train(cfg)
+    with pytest.raises(FileExistsError, match="holds another run"):
+        train(cfg)
+    summary = train(cfg, overwrite=True)
+    assert summary["steps"] == 1
+
+
+def test_resume_is_bit_exact(tmp_path):
+    extra = (
+        "trainer.eval_examples=0",
+        "trainer.num_iterations=2",  # several optimizer steps per batch: Adam state matters
+        "trainer.mini_batch_size=8",
+        "trainer.beta=0.05",
+    )
+    straight = small_config(tmp_path, *extra, name="straight")
+    train(straight)
+    first = small_config(tmp_path, *extra, "max_steps=1", name="resumed")
+    train(first)
+    second = small_config(tmp_path, *extra, name="resumed")
+    train(second, resume=True)
+
+    a, _ = load_policy(latest_checkpoint(tmp_path / "straight"))
+    b, _ = load_policy(latest_checkpoint(tmp_path / "resumed"))
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name
+
+    def rows(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [
+            {k: v for k, v in json.loads(r).items() if not k.startswith(TIME_KEYS)} for r in lines
+        ]
+
+    assert rows("straight") == rows("resumed")
+    assert len(rows("resumed")) == 2
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
+    tokenizer = build_char_tokenizer()
+    other = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=64, num_heads=2))
+    out = tmp_path / "run"
+    save_checkpoint(out, 1, other, tokenizer, {}, {})
+    cfg = small_config(tmp_path, "trainer.eval_examples=0")
+    with pytest.raises(ValueError, match="different model"):
+        train(cfg, resume=True)
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path, capsys):
+    rc = main(["train", f"output_dir={tmp_path / 'x'}", "model.name_or_path=/no/such/model"])
+    assert rc == 2
+    assert "/no/such/model" in capsys.readouterr().err
+
+
+def test_config_error_from_the_cli_is_one_line(tmp_path, capsys):
+    rc = main(["train", f"output_dir={tmp_path / 'x'}", "trainer.num_generation=4"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert "trainer.num_generation" in err and "\n" not in err
+
+
+def nan_after(step_from: int):
+    """A grpo_loss that turns non-finite on every call from the step_from-th call on."""
+    calls = {"n": 0}
+
+    def grpo_loss(*args, **kwargs):
+        calls["n"] += 1
+        loss, metrics = core.grpo_loss(*args, **kwargs)
+        if calls["n"] >= step_from:
+            loss = loss * float("nan")
+        return loss, metrics
+
+    return grpo_loss
+
+
+def test_nonfinite_guard_stops_with_checkpoint_and_capsule(tmp_path):
+    cfg = small_config(
+        tmp_path, "max_steps=5", "trainer.max_consecutive_nonfinite=2", "trainer.eval_examples=0"
+    )
+    start, _ = load_start_model(cfg, torch.device("cpu"))
+    bad_core = dataclasses.replace(default_core("core"), grpo_loss=nan_after(1))
+    with pytest.raises(NonFiniteError, match="loss") as err:
+        train(cfg, core=bad_core)
+    assert "step 2" in str(err.value)
+    saved, _ = load_policy(latest_checkpoint(cfg.output_dir))
+    for (name, p0), p1 in zip(start.state_dict().items(), saved.state_dict().values()):
+        assert torch.equal(p0, p1), f"a non-finite step reached the weights: {name}"
+    capsule = torch.load(f"{cfg.output_dir}/nonfinite-capsule.pt", weights_only=False)
+    assert {"input_ids", "advantages", "logp_old", "rng", "what"} <= set(capsule)
+    assert capsule["what"].startswith("loss")
+
+
+def test_nonfinite_step_is_skipped_and_training_goes_on(tmp_path):
+    cfg = small_config(tmp_path, "max_steps=3", "trainer.eval_examples=0")
+    calls = {"n": 0}
+
+    def grpo_loss(*args, **kwargs):  # non-finite on the first step only
+        calls["n"] += 1
+        loss, metrics = core.grpo_loss(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] == 1 else loss), metrics
+
+    summary = train(cfg, core=dataclasses.replace(default_core("core"), grpo_loss=grpo_loss))
+    assert summary["steps"] == 3 and summary["skipped_steps"] == 1
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in rows] == [1, 0, 0]
+    model, _ = load_policy(latest_checkpoint(cfg.output_dir))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_lr_schedule():
+    constant = lr_lambda("constant", 2, 10)
+    assert [constant(s) for s in range(4)] == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0])
+    cosine = lr_lambda("cosine", 0, 10)
+    assert cosine(0) == pytest.approx(1.0)
+    assert cosine(5) == pytest.approx(0.5)
+    assert cosine(10) == pytest.approx(0.0)
+
+
+def test_eval_command(capsys):
+    rc = main(["eval", "--examples", "16", "--pass-at-k", "2", "--samples", "4"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "accuracy (greedy)" in out and "pass@2" in out
