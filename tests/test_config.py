@@ -84,7 +84,7 @@ def test_bad_yaml_file(tmp_path):
         load_config(bad)
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text("trainer:\n  num_generation: 4\n")
-    with pytest.raises(ConfigError, match="trainer.num_generation"):
+    with pytest.raises(ConfigError, match=r"trainer\.num_generation"):
         load_config(unknown)
 
 

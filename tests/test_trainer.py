@@ -216,7 +216,7 @@ def test_nonfinite_guard_stops_with_checkpoint_and_capsule(tmp_path):
         train(cfg, core=bad_core)
     assert "step 2" in str(err.value)
     saved, _ = load_policy(latest_checkpoint(cfg.output_dir))
-    for (name, p0), p1 in zip(start.state_dict().items(), saved.state_dict().values()):
+    for (name, p0), p1 in zip(start.state_dict().items(), saved.state_dict().values(), strict=True):
         assert torch.equal(p0, p1), f"a non-finite step reached the weights: {name}"
     capsule = torch.load(f"{cfg.output_dir}/nonfinite-capsule.pt", weights_only=False)
     assert {"input_ids", "advantages", "logp_old", "rng", "what"} <= set(capsule)
