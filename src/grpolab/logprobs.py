@@ -1,0 +1,582 @@
+"""Token log-probs without the [B, T, V] wall: a chunked lm-head with an exact backward.
+
+The seed's `log_softmax(logits.float())` holds B * T * V float32 values (Qwen's V = 151,936:
+16 x 512 tokens is 5 GB for the log-softmax alone), plus the logits, plus their gradient.
+Here the model is split into its body (everything up to and including the final norm) and
+the lm-head weight W [V, H]; only completion positions are projected, tile by tile
+(tokens x vocabulary), with an online log-sum-exp in float32:
+
+    forward   z = h @ W^T / T per tile; lse = logsumexp(z) online; logp = z[target] - lse
+    backward  recompute the tile with the saved lse: p = exp(z - lse), and with the
+              upstream gradient g, grad_z = g * (onehot - p) (the one-hot scattered into
+              the tile); grad_h = grad_z @ W / T, grad_W = grad_z^T @ h / T
+
+so no tensor larger than one tile of logits ever exists, and the work is the three lm-head
+matmuls plus one recompute of the logits (the fourth matmul is the price of not storing
+[N, V]: the upstream gradient g is unknown until backward). `impl="naive"` is the seed's
+code, kept as the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("grpolab")
+
+IMPLS = ("fused", "naive")
+
+# Config attributes of models whose logits are not `final_hidden @ W^T` (soft-capping,
+# logit scaling, muP width scaling): these models take the naive path.
+LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",  # Gemma 2/3
+    "logit_scale",  # Cohere
+    "logits_scaling",  # Granite
+    "dim_model_base",  # MiniCPM (divides the hidden state before the head)
+    "mup_width_multiplier",
+    "output_multiplier_scale",
+)
+
+# Logits per tile: big enough for efficient matmuls and few per-tile ops, small enough to be
+# noise next to the weights. On CPU, 1M-4M elements measured fastest for H = 64..896.
+CPU_TILE_ELEMENTS = 1 << 22  # 16 MB of float32
+CUDA_TILE_ELEMENTS = 1 << 25  # 128 MB of float32
+MIN_VOCAB_CHUNK = 512
+
+
+# --- Chunk sizes -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Tile shape: `tokens` rows of hidden states times `vocab` rows of the lm-head."""
+
+    tokens: int
+    vocab: int
+
+
+def choose_chunks(
+    n_tokens: int, vocab: int, device: torch.device | str = "cpu", tile_elements: int | None = None
+) -> Chunks:
+    """Tile shape from the problem shape: as many tokens per tile as keeps at least
+    MIN_VOCAB_CHUNK vocabulary columns, then as many columns as fill the tile budget."""
+    if tile_elements is None:
+        is_cuda = torch.device(device).type == "cuda"
+        tile_elements = CUDA_TILE_ELEMENTS if is_cuda else CPU_TILE_ELEMENTS
+    if tile_elements < 1:
+        raise ValueError(f"tile_elements must be >= 1, got {tile_elements}")
+    n_tokens, vocab = max(n_tokens, 1), max(vocab, 1)
+    tokens = min(n_tokens, max(1, tile_elements // min(vocab, MIN_VOCAB_CHUNK)))
+    # Equal token chunks: 1100 tokens as 2 x 550, not 1024 + 76.
+    tokens = math.ceil(n_tokens / math.ceil(n_tokens / tokens))
+    cols = min(vocab, max(MIN_VOCAB_CHUNK, tile_elements // tokens))
+    cols = math.ceil(vocab / math.ceil(vocab / cols))
+    return Chunks(tokens=tokens, vocab=cols)
+
+
+# --- The fused function ----------------------------------------------------------------------
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _Tiles:
+    """Reusable tile buffers: on a CPU a fresh multi-megabyte tensor per tile costs page
+    faults, so every tile of a call is written into the same memory."""
+
+    def __init__(self, chunks: Chunks, dtype: torch.dtype, device: torch.device, n_aux: int):
+        size = chunks.tokens * chunks.vocab
+        self.acc_dtype = _acc_dtype(dtype)
+        self.main = torch.empty(size, dtype=self.acc_dtype, device=device)
+        self.aux = torch.empty(size * n_aux, dtype=self.acc_dtype, device=device)
+        # Low-precision weights: the matmul writes here first, as the model's lm-head would.
+        self.low = (
+            None if dtype == self.acc_dtype else torch.empty(size, dtype=dtype, device=device)
+        )
+
+    def logits(
+        self, h: torch.Tensor, w: torch.Tensor, inv_t: float, shift: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """h @ w^T * inv_t (- shift[:, None]) as a float32 [n, v] tile."""
+        n, v = h.shape[0], w.shape[0]
+        out = self.main[: n * v].view(n, v)
+        if self.low is None:
+            if shift is None:
+                torch.mm(h, w.t(), out=out)
+                if inv_t != 1.0:
+                    out.mul_(inv_t)
+            else:
+                torch.addmm(-shift[:, None], h, w.t(), alpha=inv_t, out=out)
+            return out
+        low = self.low[: n * v].view(n, v)
+        torch.mm(h, w.t(), out=low)  # rounded to the weight dtype, as model(...).logits is
+        out.copy_(low)
+        if inv_t != 1.0:
+            out.mul_(inv_t)
+        if shift is not None:
+            out.sub_(shift[:, None])
+        return out
+
+    def second(self, like: torch.Tensor) -> torch.Tensor:
+        return self.aux[: like.numel()].view(like.shape)
+
+    def low_precision(self, a: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """`a` (times scale[:, None]) cast to the weight dtype, in one pass."""
+        low = self.low[: a.numel()].view(a.shape)
+        if scale is None:
+            return low.copy_(a)
+        return torch.mul(a, scale[:, None], out=low)
+
+
+def _forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    inv_t: float,
+    chunks: Chunks,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(logp [N], lse [N], entropy [N] or None), in float32 (float64 for float64 inputs)."""
+    n_tokens, vocab = hidden.shape[0], weight.shape[0]
+    tiles = _Tiles(chunks, weight.dtype, weight.device, n_aux=int(with_entropy))
+    acc = tiles.acc_dtype
+    lse = torch.full((n_tokens,), -math.inf, dtype=acc, device=hidden.device)
+    target_logit = torch.zeros(n_tokens, dtype=acc, device=hidden.device)
+    # sum_j p_j * z_j, where p = softmax(z) over the columns seen so far: entropy = lse - it.
+    mean_z = torch.zeros(n_tokens, dtype=acc, device=hidden.device) if with_entropy else None
+    for v0 in range(0, vocab, chunks.vocab):
+        w = weight[v0 : v0 + chunks.vocab]  # [v, H]
+        v = w.shape[0]
+        local = targets - v0  # [N]
+        here = (local >= 0) & (local < v)
+        local = local.clamp(0, v - 1)
+        for n0 in range(0, n_tokens, chunks.tokens):
+            rows = slice(n0, n0 + chunks.tokens)
+            z = tiles.logits(hidden[rows], w, inv_t)  # [n, v]
+            picked = z.gather(1, local[rows, None]).squeeze(1)  # [n]
+            target_logit[rows] += torch.where(here[rows], picked, torch.zeros_like(picked))
+            # In place: max, shift, exp, sum; the tile is never copied.
+            top = z.amax(dim=1)  # [n]
+            z.sub_(top[:, None])
+            if mean_z is not None:
+                e = torch.exp(z, out=tiles.second(z))
+                tile_mean_z = torch.linalg.vecdot(e, z)  # sum e * (z - top)
+            else:
+                e = z.exp_()
+            total = e.sum(dim=1)  # [n]
+            tile_lse = top + torch.log(total)
+            new_lse = torch.logaddexp(lse[rows], tile_lse)
+            if mean_z is not None:
+                tile_mean_z = tile_mean_z / total + top  # sum softmax(tile) * z
+                mean_z[rows] = mean_z[rows] * torch.exp(lse[rows] - new_lse) + tile_mean_z * (
+                    torch.exp(tile_lse - new_lse)
+                )
+            lse[rows] = new_lse
+    entropy = lse - mean_z if mean_z is not None else None
+    return target_logit - lse, lse, entropy
+
+
+def _backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    inv_t: float,
+    chunks: Chunks,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients w.r.t. hidden [N, H] and weight [V, H], one recomputed tile at a time.
+
+    With z = logits / T and s = z - lse = log p: d logp / dz = onehot - p and
+    d entropy / dz = -p * (s + entropy), so grad_z = -B with
+    B = p * (g + gE * (s + entropy)) - g * onehot, and
+    grad_h = -B @ W / T,  grad_W = -B^T @ h / T.
+    Without an entropy gradient B = g * (p - onehot): in full precision the per-row g goes
+    on the small [n, H] side of the matmuls instead of a pass over the tile.
+    """
+    n_tokens, vocab = hidden.shape[0], weight.shape[0]
+    acc = _acc_dtype(weight.dtype)
+    device = hidden.device
+    g = grad_logp.to(acc) if grad_logp is not None else lse.new_zeros(n_tokens)
+    with_entropy_grad = grad_entropy is not None and entropy is not None
+    low_precision = weight.dtype != acc
+    g_on_tile = with_entropy_grad or low_precision
+    if with_entropy_grad:
+        g_entropy = grad_entropy.to(acc)
+    tiles = _Tiles(chunks, weight.dtype, weight.device, n_aux=int(with_entropy_grad))
+    # The one-hot part of B scattered into each tile: -g, or -1 when g multiplies later.
+    onehot = -g if with_entropy_grad else -torch.ones_like(g)  # [N]
+    # Right-hand side of the weight-gradient matmul: g * h, or h when g is on the tile.
+    rhs = hidden if g_on_tile else (g[:, None] * hidden)  # [N, H]
+
+    b_w = torch.zeros(n_tokens, weight.shape[1], dtype=acc, device=device) if need_hidden else None
+    grad_weight = torch.zeros_like(weight) if need_weight else None
+
+    for v0 in range(0, vocab, chunks.vocab):
+        w = weight[v0 : v0 + chunks.vocab]  # [v, H]
+        v = w.shape[0]
+        local = targets - v0  # [N]
+        here = (local >= 0) & (local < v)
+        local = local.clamp(0, v - 1)
+        value = torch.where(here, onehot, torch.zeros_like(onehot))
+        if need_weight:
+            # Low precision: this chunk's weight-gradient rows summed in float32, rounded once.
+            gw = (
+                torch.zeros(v, w.shape[1], dtype=acc, device=device)
+                if low_precision
+                else grad_weight[v0 : v0 + v]
+            )
+        for n0 in range(0, n_tokens, chunks.tokens):
+            rows = slice(n0, n0 + chunks.tokens)
+            b = tiles.logits(hidden[rows], w, inv_t, shift=lse[rows])  # log p  [n, v]
+            if with_entropy_grad:
+                p = torch.exp(b, out=tiles.second(b))
+                b.add_(entropy[rows, None]).mul_(g_entropy[rows, None]).add_(g[rows, None])
+                b.mul_(p)  # p * (g + gE * (s + entropy))
+            else:
+                b.exp_()  # p
+            b.scatter_add_(1, local[rows, None], value[rows, None])
+            if low_precision:
+                b = tiles.low_precision(b, None if with_entropy_grad else g[rows])
+            if need_hidden:
+                if low_precision:
+                    b_w[rows] += torch.mm(b, w)
+                else:
+                    b_w[rows].addmm_(b, w)  # [n, H]
+            if need_weight:
+                if low_precision:
+                    gw.sub_(torch.mm(b.t(), rhs[rows]), alpha=inv_t)
+                else:
+                    gw.addmm_(b.t(), rhs[rows], alpha=-inv_t)  # [v, H]
+        if need_weight and low_precision:
+            grad_weight[v0 : v0 + v] = gw
+
+    grad_hidden = None
+    if need_hidden:
+        scale = -inv_t if g_on_tile else -inv_t * g[:, None]
+        grad_hidden = (b_w * scale).to(hidden.dtype)
+    return grad_hidden, grad_weight
+
+
+class FusedTokenLogprobs(torch.autograd.Function):
+    """logp[i] = log_softmax(hidden[i] @ weight^T / T)[targets[i]], tile by tile."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_t, chunks, with_entropy):
+        logp, lse, entropy = _forward(hidden, weight, targets, inv_t, chunks, with_entropy)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.inv_t, ctx.chunks = inv_t, chunks
+        ctx.set_materialize_grads(False)  # an unused entropy costs nothing in backward
+        return logp if entropy is None else (logp, entropy)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        grad_hidden, grad_weight = _backward(
+            hidden,
+            weight,
+            targets,
+            lse,
+            entropy,
+            grad_logp,
+            grad_entropy,
+            ctx.inv_t,
+            ctx.chunks,
+            need_hidden=ctx.needs_input_grad[0],
+            need_weight=ctx.needs_input_grad[1],
+        )
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def fused_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    token_chunk: int | None = None,
+    vocab_chunk: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of targets[i] under softmax(hidden[i] @ weight^T / temperature).
+
+    hidden [N, H], weight [V, H] (same dtype), targets [N] int. Returns logp [N] float32
+    (float64 for float64 inputs), and entropy [N] of the same distribution when
+    return_entropy. Differentiable w.r.t. hidden and weight; the [N, V] logits never exist.
+    Chunk sizes default to `choose_chunks` of the shape.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [N, H] and weight [V, H] with the same H, got "
+            f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) dtypes differ")
+    if not hidden.is_floating_point():
+        raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
+    if not temperature > 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    targets = targets.long()
+    vocab = weight.shape[0]
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+        bad = targets[(targets < 0) | (targets >= vocab)][:5].tolist()
+        raise ValueError(f"targets must be in [0, {vocab}), got {bad}")
+    for name, value in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    auto = choose_chunks(hidden.shape[0], vocab, hidden.device)
+    chunks = Chunks(tokens=token_chunk or auto.tokens, vocab=vocab_chunk or auto.vocab)
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    inv_t = 1.0 / float(temperature)
+
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if not needs_grad:  # logp_old / reference log-probs: nothing is kept for a backward
+        logp, _, entropy = _forward(hidden, weight, targets, inv_t, chunks, return_entropy)
+        return (logp, entropy) if return_entropy else logp
+    return FusedTokenLogprobs.apply(hidden, weight, targets, inv_t, chunks, return_entropy)
+
+
+# --- Splitting a model into body and lm-head ---------------------------------------------------
+
+
+@dataclass
+class Split:
+    """A causal LM as body (up to and including the final norm) and lm-head weight [V, H].
+
+    `reason` is None when the split reproduces the model's logits; otherwise it says why
+    the model must take the naive path (and body / weight may be None)."""
+
+    body: torch.nn.Module | None
+    weight: torch.Tensor | None
+    reason: str | None = None
+
+
+def split_model(model: torch.nn.Module) -> Split:
+    """Find the decoder body and the lm-head weight generically (Llama/Qwen2-style models),
+    or say why the logits are not `body(...).last_hidden_state @ W^T` for this model."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return Split(
+            None, None, "DistributedDataParallel wrapper: calling its body skips the gradient sync"
+        )
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    for attr in LOGIT_TRANSFORMS:
+        value = getattr(config, attr, None)
+        if value is not None and value is not False and value != 1:
+            return Split(None, None, f"{name} transforms its logits (config.{attr}={value!r})")
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None:
+        return Split(None, None, f"{name} has no output embeddings (get_output_embeddings())")
+    if type(head) is not torch.nn.Linear:
+        return Split(None, None, f"{name}'s lm-head is a {type(head).__name__}, not a plain Linear")
+    if head.bias is not None:
+        return Split(None, None, f"{name}'s lm-head has a bias")
+    body = None
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        try:
+            body = get_decoder()
+        except (AttributeError, NotImplementedError, ValueError):
+            body = None
+    if body is None or body is model:
+        prefix = getattr(model, "base_model_prefix", "")
+        body = getattr(model, prefix, None) if prefix else None
+    if body is None or body is model:
+        return Split(None, None, f"{name}: no decoder body (get_decoder() / base_model_prefix)")
+    return Split(body, head.weight)
+
+
+# Verdict per model object: None when the split was checked against model(...).logits.
+_VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakKeyDictionary()
+
+
+def _body_hidden(body, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    out = body(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    )
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def _verify_split(model, split: Split, input_ids, attention_mask) -> str | None:
+    """Compare the split's logits with the model's own on a short slice of the batch, once
+    per model: catches what no config attribute announces (a scaled head, a wrapper)."""
+    if model in _VERIFIED:
+        return _VERIFIED[model]
+    real = input_ids[0][attention_mask[0].bool()]
+    ids = (real if real.numel() else input_ids[0])[:16][None]  # [1, <=16], no padding
+    attn = torch.ones_like(ids)
+    pos = torch.arange(ids.shape[1], device=ids.device)[None]
+    was_training = model.training
+    model.eval()  # dropout would make the two forwards differ
+    try:
+        with torch.no_grad():
+            expected = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+            hidden = _body_hidden(split.body, ids, attn, pos)
+            got = torch.nn.functional.linear(hidden, split.weight)
+        reason = None
+        if got.shape != expected.shape:
+            reason = f"body + lm-head give logits {tuple(got.shape)}, model {tuple(expected.shape)}"
+        else:
+            tol = 1e-4 if expected.dtype in (torch.float32, torch.float64) else 2e-2
+            err = (got.float() - expected.float()).abs().max().item()
+            scale = max(1.0, expected.float().abs().max().item())
+            if not err <= tol * scale:
+                reason = f"body + lm-head differ from the model's logits by {err:.3g}"
+    except Exception as e:  # any model whose body cannot be called this way: naive path
+        reason = f"calling the body failed: {type(e).__name__}: {e}"
+    finally:
+        model.train(was_training)
+    if reason is not None:
+        reason = f"{type(model).__name__}: {reason}"
+    _VERIFIED[model] = reason
+    return reason
+
+
+# --- The API the trainer calls -----------------------------------------------------------------
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    impl: str = "fused",
+    return_entropy: bool = False,
+    prompt_length: int | None = None,
+):
+    """Log-prob of each sampled token at the sampling temperature: the contract of
+    `core.sequence_logprobs`, with zeros where the mask is 0.
+
+    input_ids, attention_mask, completion_mask: [B, T]. Returns (logp [B, T-1] float32,
+    mask [B, T-1] float32), plus entropy [B, T-1] float32 when return_entropy; logp[:, t]
+    is the log-prob of input_ids[:, t+1], mask[:, t] = completion_mask[:, t+1].
+    impl="fused" projects only completion positions through the lm-head in tiles;
+    impl="naive" is the seed's full-logits path (`core.sequence_logprobs`).
+    prompt_length: the column where completions start (all rows), if known.
+    """
+    from grpolab import core
+
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {list(IMPLS)}")
+    core._check_same_shape(
+        input_ids=input_ids, attention_mask=attention_mask, completion_mask=completion_mask
+    )
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be [B, T] with T >= 2, got {tuple(input_ids.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    T = input_ids.shape[1]
+    if prompt_length is not None:
+        if isinstance(prompt_length, bool) or not isinstance(prompt_length, int):
+            raise ValueError(f"prompt_length must be an int or None, got {prompt_length!r}")
+        if not 1 <= prompt_length <= T - 1:
+            raise ValueError(
+                f"prompt_length must be in [1, {T - 1}] for T={T}, got {prompt_length}"
+            )
+        if completion_mask[:, :prompt_length].any():
+            raise ValueError(
+                f"prompt_length={prompt_length}, but completion_mask has tokens before that column"
+            )
+
+    if impl == "fused":
+        split = split_model(model)
+        reason = split.reason
+        device_type = input_ids.device.type
+        if reason is None and torch.is_autocast_enabled(device_type):
+            reason = "autocast is on: the lm-head's output dtype is autocast's choice"
+        if reason is None:
+            reason = _verify_split(model, split, input_ids, attention_mask)
+        if reason is None:
+            return _fused(
+                model,
+                split,
+                input_ids,
+                attention_mask,
+                completion_mask,
+                temperature,
+                return_entropy,
+                prompt_length,
+            )
+        _warn_once(model, reason)
+    return _naive(model, input_ids, attention_mask, completion_mask, temperature, return_entropy)
+
+
+_WARNED: weakref.WeakKeyDictionary[torch.nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _warn_once(model: torch.nn.Module, reason: str) -> None:
+    """Each reason once per model: the trainer calls this every step."""
+    seen = _WARNED.setdefault(model, set())
+    if reason not in seen:
+        seen.add(reason)
+        log.warning("logprobs: fused path unavailable, using naive: %s", reason)
+
+
+def _naive(model, input_ids, attention_mask, completion_mask, temperature, return_entropy):
+    from grpolab import core
+
+    if not return_entropy:
+        logp, mask = core.sequence_logprobs(
+            model, input_ids, attention_mask, completion_mask, temperature
+        )
+        return torch.where(mask.bool(), logp, torch.zeros_like(logp)), mask
+    # Entropy needs the whole distribution: the seed's computation, kept whole.
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+    ).logits
+    logits = logits[:, :-1, :].float() / temperature  # [B, T-1, V]
+    logprobs = torch.log_softmax(logits, dim=-1)  # [B, T-1, V]
+    logp = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, T-1]
+    entropy = -(logprobs.exp() * logprobs).sum(-1)  # [B, T-1]
+    mask = completion_mask[:, 1:].float()
+    zeros = torch.zeros_like(logp)
+    return torch.where(mask.bool(), logp, zeros), mask, torch.where(mask.bool(), entropy, zeros)
+
+
+def _fused(
+    model,
+    split,
+    input_ids,
+    attention_mask,
+    completion_mask,
+    temperature,
+    return_entropy,
+    prompt_length,
+):
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden = _body_hidden(split.body, input_ids, attention_mask, position_ids)  # [B, T, H]
+    mask = completion_mask[:, 1:].float()  # [B, T-1]
+    start = 0 if prompt_length is None else prompt_length - 1
+    # Positions t predict token t+1; prompt positions are dropped before the lm-head.
+    keep = mask[:, start:].bool()  # [B, T-1-start]
+    h = hidden[:, start:-1][keep]  # [N, H]
+    targets = input_ids[:, 1:][:, start:][keep]  # [N]
+    out = fused_token_logprobs(h, split.weight, targets, temperature, return_entropy=return_entropy)
+    logp_n, entropy_n = out if return_entropy else (out, None)
+    # Columns before `start` hold no completion token, so the full mask lists the same
+    # positions in the same (row-major) order as `keep`.
+    valid = mask.bool()
+    logp = logp_n.new_zeros(mask.shape).masked_scatter(valid, logp_n)  # [B, T-1]
+    if not return_entropy:
+        return logp, mask
+    return logp, mask, entropy_n.new_zeros(mask.shape).masked_scatter(valid, entropy_n)
