@@ -104,9 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     wu.add_argument("--seed", type=int, default=0)
     wu.set_defaults(func=cmd_warmup)
 
+    from grpolab.preflight import add_preflight_parser
     from grpolab.rollout_cli import add_rollout_parser
 
     add_rollout_parser(sub)
+    add_preflight_parser(sub)
     return parser
 
 

@@ -1,0 +1,291 @@
+"""`grpolab preflight`: the checks of grpolab.checks on the configured model, task and engine.
+
+A real rollout batch from the configured task is sampled (a few groups), scored by the
+configured rewards, and every check runs on it, plus the checks that need the trainer:
+gradient invariance to the minibatch split and a worst-case-length dry run.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from grpolab import checks
+from grpolab.checks import CheckResult, CoreImpl, PreflightBatch, PreflightSettings
+from grpolab.config import Config
+
+PREFLIGHT_ROWS = 32  # sequences in the preflight batch (whole groups, at least two)
+
+
+def settings_from_config(cfg: Config) -> PreflightSettings:
+    t = cfg.trainer
+    return PreflightSettings(
+        temperature=cfg.rollout.temperature or 1.0,
+        loss_agg=t.loss_type,
+        eps_low=t.epsilon,
+        eps_high=t.epsilon_high,
+        beta=t.beta,
+        scale_rewards=t.scale_rewards,
+        advantage_eps=t.advantage_eps,
+        max_completion_length=cfg.rollout.max_completion_length,
+        engine_gap_max=1e-3 if cfg.model.dtype == "float32" else 5e-2,
+        seed=cfg.seed,
+    )
+
+
+def sample_batch(run, cfg: Config) -> tuple[PreflightBatch, list[str]]:
+    """A few real groups from the configured task, sampled and scored as the trainer does.
+    Uses its own generator, so the training run's data order is untouched."""
+    from grpolab.rewards import score
+
+    G = cfg.trainer.num_generations
+    n_prompts = max(2, PREFLIGHT_ROWS // G)
+    examples = run.task.sample(n_prompts, torch.Generator().manual_seed(cfg.seed + 12_345))
+    params = cfg.rollout.sampling(seed=cfg.seed + 54_321)
+    rollout = run.engine.generate([e.prompt for e in examples], G, params)
+    rewards = score(rollout, examples, run.rewards).total
+    device = next(run.model.parameters()).device
+    batch = PreflightBatch(
+        rollout.input_ids.to(device),
+        rollout.attention_mask.to(device),
+        rollout.completion_mask.to(device),
+        rewards.float(),
+        G,
+        None if rollout.engine_logprobs is None else rollout.engine_logprobs.to(device),
+    )
+    return batch, rollout.completions
+
+
+def check_split_invariance(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
+    """The gradient of the batch in one pass equals the gradient accumulated over micro-batches
+    with the trainer's loss scaling (the wrong normaliser under accumulation shows here)."""
+    from grpolab.trainer import loss_scale
+
+    B = batch.input_ids.shape[0]
+    advantages = torch.tensor([1.0, -0.5] * (B // 2) + [1.0] * (B % 2))
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
+    L = s.max_completion_length or batch.input_ids.shape[1]
+
+    def loss_of(rows: torch.Tensor) -> torch.Tensor:
+        logp, mask = impl.sequence_logprobs(model, *(a[rows] for a in args[:3]), s.temperature)
+        loss, _ = impl.grpo_loss(
+            logp, logp.detach() + 0.05, None, advantages[rows], mask, eps_low=s.eps_low,
+            eps_high=s.eps_high, beta=0.0, loss_agg=s.loss_agg, max_completion_length=L,
+        )  # fmt: skip
+        return loss
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.zero_grad(set_to_none=True)
+    loss_of(torch.arange(B)).backward()
+    whole = [p.grad.detach().clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    unit_mask = batch.completion_mask[:, 1:]
+    lengths = unit_mask.sum(1)
+    # Uneven micro-batches: the longest sequences alone, then the rest in two parts.
+    order = torch.argsort(lengths, descending=True)
+    parts = [order[: max(1, B // 4)], order[max(1, B // 4) : B // 2], order[B // 2 :]]
+    for rows in parts:
+        if len(rows):
+            micro_mask = unit_mask[rows]
+            (loss_of(rows) * loss_scale(s.loss_agg, micro_mask, unit_mask)).backward()
+    split = [p.grad.detach().clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    scale = max(float(g.abs().max()) for g in whole) or 1.0
+    gap = max(float((a - b).abs().max()) for a, b in zip(whole, split, strict=True)) / scale
+    yield CheckResult(
+        "split.gradient_invariance",
+        0,
+        "max |grad(one pass) - grad(3 uneven micro-batches)| / max |grad|",
+        gap,
+        "<= 1e-4",
+        gap <= 1e-4,
+        "the loss of each micro-batch must be scaled by its share of the whole batch's "
+        "normaliser (tokens for token-mean, sequences for sequence-mean)",
+    )
+
+
+def check_worst_case_memory(impl: CoreImpl, model, cfg: Config, prompt_tokens: int):
+    """Forward + backward of one micro-batch at the longest prompt + max_completion_length."""
+    t = cfg.trainer
+    rows = (t.mini_batch_size or cfg.batch_size) // t.gradient_accumulation_steps
+    T = prompt_tokens + cfg.rollout.max_completion_length
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    input_ids = torch.randint(0, vocab, (rows, T), generator=torch.Generator().manual_seed(0))
+    input_ids = input_ids.to(device)
+    attention_mask = torch.ones_like(input_ids)
+    completion_mask = torch.zeros_like(input_ids)
+    completion_mask[:, prompt_tokens:] = 1
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    tic = time.perf_counter()
+    logp, mask = impl.sequence_logprobs(
+        model, input_ids, attention_mask, completion_mask, cfg.rollout.temperature or 1.0
+    )
+    loss, _ = impl.grpo_loss(
+        logp, logp.detach(), None, torch.ones(rows, device=device), mask,
+        loss_agg=t.loss_type, max_completion_length=cfg.rollout.max_completion_length,
+    )  # fmt: skip
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - tic
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        what = f"peak GPU memory, {rows} x {T} tokens fwd+bwd ({seconds:.2f} s)"
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        what = f"peak process RSS, {rows} x {T} tokens fwd+bwd ({seconds:.2f} s)"
+    yield CheckResult(
+        "memory.worst_case",
+        0,
+        what,
+        round(peak, 1),
+        "fits (MB)",
+        True,
+        checks.HINTS["memory.worst_case"],
+    )
+
+
+def longest_prompt_tokens(run, limit: int = 10_000) -> int:
+    from grpolab.rollout.common import encode_prompts
+
+    prompts = [e.prompt for e in run.task.train[:limit]]
+    encoded = encode_prompts(
+        run.tokenizer,
+        prompts,
+        run.cfg.rollout.max_completion_length,
+        getattr(run.model.config, "max_position_embeddings", None),
+        getattr(run.cfg.task, "chat_template", False),
+        getattr(run.cfg.task, "system_prompt", None),
+    )
+    return max(len(ids) for ids in encoded)
+
+
+def run_preflight(cfg: Config, impl: CoreImpl | None = None, run=None) -> list[CheckResult]:
+    """Every check on the configured model and a real batch. `run`: a trainer Run to reuse."""
+    from grpolab.trainer import load_start_model, make_run, resolve_device
+
+    impl = impl or CoreImpl()
+    transformers.utils.logging.disable_progress_bar()
+    if run is None:
+        model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
+        run = make_run(cfg, model, tokenizer)
+    model = run.model
+    s = settings_from_config(cfg)
+    batch, _ = sample_batch(run, cfg)
+    results = checks.run_checks(model, batch, s, impl)
+    was_training = model.training
+    model.eval()
+    try:
+        results += checks._guard(
+            impl, "split.gradient_invariance", 0, check_split_invariance, impl, model, batch, s
+        )
+        if impl.path is None:  # memory of grpolab's own path; a learner's code is not sized
+            prompt_tokens = longest_prompt_tokens(run)
+            results += checks._guard(
+                impl, "memory.worst_case", 0, check_worst_case_memory, impl, model, cfg,
+                prompt_tokens,
+            )  # fmt: skip
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    return results
+
+
+# --- Showing the results ------------------------------------------------------------------------
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, float):
+        return "0" if value == 0 else f"{value:.3g}"
+    return str(value)
+
+
+def results_table(results: list[CheckResult], title: str = "grpolab preflight") -> Table:
+    table = Table(title=title, show_lines=False)
+    for col in ("check", "goal", "measured", "value", "expected", "result"):
+        table.add_column(col, overflow="fold")
+    for r in results:
+        verdict = "[green]pass" if r.passed else "[bold red]FAIL"
+        table.add_row(r.id, str(r.goal or "-"), r.what, _shown(r.measured), r.expected, verdict)
+    return table
+
+
+def print_results(results: list[CheckResult], console: Console, impl: CoreImpl) -> None:
+    replaced = [f for f, src in impl.source.items() if src != "grpolab"]
+    title = "grpolab preflight" + (f" of {impl.path} ({', '.join(replaced)})" if impl.path else "")
+    console.print(results_table(results, title))
+    for r in results:
+        if not r.passed:
+            detail = escape(f"{r.id}: {r.error or r.what} = {_shown(r.measured)}")
+            console.print(f"[red]FAIL[/red] {detail}")
+            if r.hint:
+                console.print(f"     likely bug: {escape(r.hint)}")
+    n_failed = sum(not r.passed for r in results)
+    verdict = "[green]all checks pass" if not n_failed else f"[red]{n_failed} check(s) failed"
+    console.print(f"{verdict} ({len(results)} checks)")
+
+
+def results_json(results: list[CheckResult], impl: CoreImpl) -> str:
+    return json.dumps(
+        {
+            "passed": all(r.passed for r in results),
+            "impl": impl.path,
+            "replaced": [f for f, src in impl.source.items() if src != "grpolab"],
+            "checks": [r.to_json() for r in results],
+        },
+        indent=2,
+    )
+
+
+def cmd_preflight(args) -> int:
+    """Exit 0 when every check passes, 1 when any fails, 2 on a usage or config error."""
+    from grpolab.config import ConfigError, load_config
+
+    console = Console(stderr=args.json)
+    if not console.is_terminal:
+        console.width = 160  # a log file or a pipe: no reason to wrap at 80
+    try:
+        cfg = load_config(args.config, args.overrides)
+        impl = checks.load_impl(args.impl) if args.impl else CoreImpl()
+    except (ConfigError, checks.ImplLoadError, FileNotFoundError, ValueError) as e:
+        print(f"grpolab preflight: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        results = run_preflight(cfg, impl)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"grpolab preflight: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(results_json(results, impl))
+    else:
+        print_results(results, console, impl)
+    return 0 if all(r.passed for r in results) else 1
+
+
+def add_preflight_parser(sub) -> None:
+    p = sub.add_parser(
+        "preflight", help="check every intermediate GRPO quantity on the configured model"
+    )
+    p.add_argument("--config", help="YAML config file (default: the built-in CPU demo)")
+    p.add_argument(
+        "--impl", help="a Python file defining any of the core functions to check instead"
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_preflight)
+
+
+def write_results(results: list[CheckResult], path: Path, impl: CoreImpl) -> None:
+    path.write_text(results_json(results, impl) + "\n")

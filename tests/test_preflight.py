@@ -1,0 +1,62 @@
+"""`grpolab preflight` end to end: the real CLI on the demo model and a real rollout."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+MUTANTS = Path(__file__).parent / "mutants"
+SMALL = ["rollout.max_completion_length=6", "trainer.num_generations=4"]
+
+
+def preflight(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "grpolab", "preflight", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_preflight_passes_on_the_demo_and_prints_json():
+    out = preflight("--json", *SMALL)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["passed"] is True and report["impl"] is None
+    ids = {c["id"] for c in report["checks"]}
+    for goal_check in [
+        "logprobs.shift",
+        "advantages.zero_std_groups",
+        "ratio.initial",
+        "clip.values",
+        "kl.tracks_exact",
+        "norm.aggregation",
+        "loss.sgd_direction",
+    ]:
+        assert goal_check in ids
+    for extra in [
+        "engine.agreement",
+        "split.gradient_invariance",
+        "memory.worst_case",
+        "rewards.variance",
+    ]:
+        assert extra in ids
+    assert all(c["passed"] for c in report["checks"])
+
+
+def test_preflight_table_and_exit_1_on_a_buggy_impl():
+    out = preflight("--impl", str(MUTANTS / "eps_swapped.py"), *SMALL)
+    assert out.returncode == 1
+    assert "clip.asymmetric" in out.stdout and "FAIL" in out.stdout
+    assert "likely bug" in out.stdout and "eps_low" in out.stdout
+
+
+def test_preflight_usage_errors_exit_2(tmp_path):
+    out = preflight("trainer.no_such_key=1")
+    assert out.returncode == 2 and "trainer.no_such_key" in out.stderr
+    out = preflight("--impl", str(tmp_path / "missing.py"))
+    assert out.returncode == 2 and "missing.py" in out.stderr
+    broken = tmp_path / "broken.py"
+    broken.write_text("def kl_k3(a, b)\n    return a\n")
+    out = preflight("--impl", str(broken))
+    assert out.returncode == 2 and "broken.py:1" in out.stderr
