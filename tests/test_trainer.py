@@ -130,6 +130,11 @@ def test_demo_end_to_end_through_the_cli(tmp_path, capsys):
     model, _ = load_policy(latest)
     assert sum(p.numel() for p in model.parameters()) > 0
 
+    assert main(["report", str(out)]) == 0
+    for name in ("reward.png", "kl.png", "clip_frac.png", "lengths.png", "time.png"):
+        assert (out / name).stat().st_size > 1000, name
+    assert "Held-out accuracy" in (out / "report.md").read_text()
+
 
 def test_refuses_an_output_dir_holding_another_run(tmp_path):
     cfg = small_config(tmp_path, "max_steps=1", "trainer.eval_examples=0")

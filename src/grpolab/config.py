@@ -84,7 +84,7 @@ class TrainerConfig:
     # Bookkeeping.
     save_steps: int = 0  # 0 = only at the end
     save_total_limit: int | None = 2  # keep this many checkpoints; None = all
-    eval_steps: int = 0  # held-out accuracy every N steps; 0 = only before and after
+    eval_steps: int = 100  # held-out accuracy every N steps; 0 = only before and after
     eval_examples: int = 500  # held-out problems per evaluation (at most the task's eval set)
     eval_max_completion_length: int | None = None  # None = rollout.max_completion_length
     log_completions_steps: int = 25  # sample completions to completions.jsonl; 0 = never
