@@ -17,13 +17,30 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        train(cfg, resume=args.resume, overwrite=args.overwrite)
+        core = impl_core(args.impl, cfg.trainer.logprobs) if args.impl else None
+        train(cfg, resume=args.resume, overwrite=args.overwrite, core=core)
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
         return _fail(str(e))
     except NonFiniteError as e:
         _fail(str(e))
         return 3
     return 0
+
+
+def impl_core(path: str, logprobs: str):
+    """The trainer's core with the functions a user's file defines; the rest stay grpolab's."""
+    from grpolab.checks import ImplLoadError, load_impl
+    from grpolab.trainer import default_core
+
+    try:
+        impl = load_impl(path)
+    except ImplLoadError as e:
+        raise ValueError(str(e)) from None
+    fns = default_core(logprobs)
+    for name, source in impl.source.items():
+        if source != "grpolab":
+            setattr(fns, name, getattr(impl, name))
+    return fns
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -79,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace a previous run in output_dir"
     )
     train.add_argument(
+        "--impl",
+        metavar="FILE",
+        help="a Python file defining any of the core functions to train with instead",
+    )
+    train.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="e.g. trainer.learning_rate=1e-6"
     )
     train.set_defaults(func=cmd_train)
@@ -104,11 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     wu.add_argument("--seed", type=int, default=0)
     wu.set_defaults(func=cmd_warmup)
 
+    from grpolab.drill.cli import add_drill_parser
     from grpolab.preflight import add_preflight_parser
     from grpolab.rollout_cli import add_rollout_parser
 
     add_rollout_parser(sub)
     add_preflight_parser(sub)
+    add_drill_parser(sub)
     return parser
 
 

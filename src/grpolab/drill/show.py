@@ -1,0 +1,203 @@
+"""`show N`: goal N's intermediate quantity computed by the learner's code on the real batch,
+printed the way the seed prints it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from grpolab import core
+from grpolab.checks import CoreImpl, PreflightBatch, PreflightSettings
+
+
+def _fmt(x: float) -> str:
+    return f"{x:+.4f}"
+
+
+def _row(values, width: int = 8) -> str:
+    return " ".join(f"{float(v):>{width}.4f}" for v in values)
+
+
+def show_logprobs(impl: CoreImpl, model, tokenizer, batch: PreflightBatch, s) -> list[str]:
+    row = int(batch.completion_mask.sum(1).argmax())  # the longest completion
+    ids, am, cm = (
+        t[row : row + 1] for t in (batch.input_ids, batch.attention_mask, batch.completion_mask)
+    )
+    with torch.no_grad():
+        logp, mask = impl.sequence_logprobs(model, ids, am, cm, s.temperature)
+    logp, mask = logp[0], mask[0]
+    lines = [
+        f"row {row} of the batch: logp[:, t] is the log-prob of token t+1; mask[:, t] = "
+        f"completion_mask[:, t+1]   (logp {tuple(logp.shape)}, input_ids {tuple(ids.shape)})",
+        f"{'t':>3}  {'token t+1':<10} {'logp':>9}  mask",
+    ]
+    for t in range(logp.shape[0]):
+        if not am[0, t + 1]:
+            continue
+        token = tokenizer.decode([int(ids[0, t + 1])])
+        lines.append(f"{t:>3}  {token!r:<10} {float(logp[t]):>9.4f}  {float(mask[t]):g}")
+    total = float((logp * mask).sum())
+    lines.append(f"sum of the completion's logp = {total:.4f} (the sequence's log-prob)")
+    return lines
+
+
+def show_advantages(impl: CoreImpl, batch: PreflightBatch) -> list[str]:
+    G = batch.group_size
+    adv = impl.group_advantages(batch.rewards, G)
+    r, a = batch.rewards.view(-1, G), adv.detach().view(-1, G)
+    lines = [f"adv = group_advantages(rewards, group_size={G}); adv.view(-1, {G}):"]
+    for i in range(r.shape[0]):
+        lines.append(f"group {i}: rewards {_row(r[i], 5)}")
+        lines.append(f"         adv     {_row(a[i], 5)}   row sum {float(a[i].sum()):+.2e}")
+    lines.append(
+        f"print(adv.view(-1, {G}).sum(dim=1)) -> {[round(float(x), 6) for x in a.sum(1)]}"
+        "   # every row should be ~ 0"
+    )
+    return lines
+
+
+def show_ratio(impl: CoreImpl, model, batch: PreflightBatch, s) -> list[str]:
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
+    model.train()
+    try:
+        with torch.no_grad():
+            logp_old, _ = impl.sequence_logprobs(model, *args)  # scheme A: an extra forward
+            logp_new, mask = impl.sequence_logprobs(model, *args)
+    finally:
+        model.eval()
+    valid = mask.bool()
+    ratio = torch.exp(logp_new - logp_old)[valid]
+    adv = core.group_advantages(batch.rewards, batch.group_size)
+    _, metrics = impl.grpo_loss(
+        logp_new, logp_old, None, adv, mask, eps_low=s.eps_low, eps_high=s.eps_high,
+        loss_agg=s.loss_agg, max_completion_length=s.max_completion_length,
+    )  # fmt: skip
+    return [
+        "logp_old: an extra forward right after sampling (scheme A); logp_new: the first "
+        "update's forward",
+        f"ratio = exp(logp_new - logp_old) over {int(valid.sum())} completion tokens:",
+        f"  min {float(ratio.min()):.6f}  max {float(ratio.max()):.6f}  "
+        f"mean {float(ratio.mean()):.6f}",
+        f"  max |ratio - 1| = {float((ratio - 1).abs().max()):.2e}   (assert allclose to 1, "
+        "atol=1e-3)",
+        f"  grpo_loss metrics['ratio_mean'] = {float(metrics['ratio_mean']):.6f}",
+    ]
+
+
+def show_clip(impl: CoreImpl, s: PreflightSettings) -> list[str]:
+    lo, hi = 1 - s.eps_low, 1 + s.eps_high
+    ratios = torch.tensor([[0.5, 0.9, 1.0, 1.1, 1.25, 1.5]] * 2)
+    advantages = torch.tensor([1.0, -1.0])
+    logp_old = torch.full_like(ratios, -1.0)
+    logp_new = logp_old + torch.log(ratios)
+    mask = torch.ones_like(ratios)
+    per_token, clip_frac = impl.policy_loss(
+        logp_new, logp_old, advantages, mask, s.eps_low, s.eps_high
+    )
+    clipped = ratios.clamp(lo, hi)
+    lines = [
+        f"eps_low {s.eps_low:g}, eps_high {s.eps_high:g}: clip(ratio) to [{lo:g}, {hi:g}]",
+        f"{'A':>5} {'ratio':>7} {'clipped':>8} {'ratio*A':>8} {'clip*A':>8} "
+        f"{'per_token':>10} {'expected':>9}",
+    ]
+    for i in range(2):
+        A = float(advantages[i])
+        for t in range(ratios.shape[1]):
+            r, c = float(ratios[i, t]), float(clipped[i, t])
+            expected = -min(r * A, c * A)
+            lines.append(
+                f"{A:>+5.1f} {r:>7.3f} {c:>8.3f} {r * A:>8.3f} {c * A:>8.3f} "
+                f"{float(per_token[i, t]):>10.4f} {expected:>9.4f}"
+            )
+    lines.append(f"clip_frac = {float(clip_frac):.4f}")
+    return lines
+
+
+def show_kl(impl: CoreImpl, model, batch: PreflightBatch, s) -> list[str]:
+    g = torch.Generator().manual_seed(s.seed)
+    with torch.no_grad():
+        positions = (batch.attention_mask[:1].long().cumsum(-1) - 1).clamp(min=0)
+        logits = model(
+            input_ids=batch.input_ids[:1],
+            attention_mask=batch.attention_mask[:1],
+            position_ids=positions,
+        ).logits[0, :-1]
+        row = logits[batch.completion_mask[0, 1:].bool()][0].double()  # one real position, [V]
+    logp_new = torch.log_softmax(row, -1)
+    logp_ref = torch.log_softmax(
+        row + 0.5 * torch.randn(row.shape, generator=g, dtype=row.dtype), -1
+    )
+    idx = torch.multinomial(logp_new.exp(), 4096, replacement=True, generator=g)
+    k3 = impl.kl_k3(logp_new[idx], logp_ref[idx]).double()
+    naive = (logp_new[idx] - logp_ref[idx]).double()
+    exact = float((logp_new.exp() * (logp_new - logp_ref)).sum())
+    return [
+        "one real next-token distribution of the model (new) and a perturbed copy (ref);",
+        "4096 tokens sampled from new:",
+        f"  kl_k3 of the first 8 samples: {_row(k3[:8], 7)}",
+        f"  min {float(k3.min()):.4f}   mean {float(k3.mean()):.4f}   std {float(k3.std()):.4f}",
+        f"  naive logp_new - logp_ref: min {float(naive.min()):.4f}   mean "
+        f"{float(naive.mean()):.4f}   std {float(naive.std()):.4f}",
+        f"  exact KL(new || ref) = {exact:.4f}",
+    ]
+
+
+def show_aggregation(impl: CoreImpl, s: PreflightSettings) -> list[str]:
+    g = torch.Generator().manual_seed(s.seed)
+    per_token = torch.randn(4, 6, generator=g)
+    lengths = [6, 1, 3, 4]
+    mask = torch.zeros(4, 6)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    L = 6
+    lines = [
+        f"per_token [4, 6] with completion lengths {lengths} (max_completion_length {L}):",
+        f"{'mode':<10} {'yours':>9} {'expected':>9}",
+    ]
+    for mode in core.AGGREGATIONS:
+        yours = float(impl.aggregate(per_token, mask, mode, L))
+        expected = float(core.aggregate(per_token, mask, mode, L))
+        lines.append(f"{mode:<10} {yours:>9.4f} {expected:>9.4f}")
+    lines.append(f"the drill declares loss_agg = {s.loss_agg!r}: grpo_loss must use that one")
+    return lines
+
+
+def show_loss(impl: CoreImpl, model, batch: PreflightBatch, s) -> list[str]:
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
+    logp, mask = impl.sequence_logprobs(model, *args)
+    adv = core.group_advantages(batch.rewards, batch.group_size)
+    g = torch.Generator().manual_seed(s.seed)
+    logp_old = logp.detach() + 0.2 * torch.randn(logp.shape, generator=g)  # a policy that moved
+    logp_ref = logp.detach() + 0.1 * torch.randn(logp.shape, generator=g)
+    loss, metrics = impl.grpo_loss(
+        logp, logp_old, logp_ref, adv, mask, eps_low=s.eps_low, eps_high=s.eps_high,
+        beta=0.04, loss_agg=s.loss_agg, max_completion_length=s.max_completion_length,
+    )  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    lines = [
+        "grpo_loss on the real batch, with logp_old and logp_ref perturbed (as after a few "
+        "updates), beta 0.04:",
+        f"  loss = {float(loss):.6f}",
+    ]
+    lines += [f"  {k:<15} {float(v):.6f}" for k, v in metrics.items()]
+    return lines
+
+
+def show_goal(goal: int, impl: CoreImpl, model, tokenizer, batch, s) -> list[str]:
+    shows: dict[int, Callable[[], list[str]]] = {
+        1: lambda: show_logprobs(impl, model, tokenizer, batch, s),
+        2: lambda: show_advantages(impl, batch),
+        3: lambda: show_ratio(impl, model, batch, s),
+        4: lambda: show_clip(impl, s),
+        5: lambda: show_kl(impl, model, batch, s),
+        6: lambda: show_aggregation(impl, s),
+        7: lambda: show_loss(impl, model, batch, s),
+    }
+    was_training = model.training
+    model.eval()
+    try:
+        return shows[goal]()
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
