@@ -97,7 +97,8 @@ class TrainerConfig:
 
 @dataclass
 class Config:
-    output_dir: str = "runs/demo"
+    # "{time}" becomes the start time, so repeated demo runs never collide.
+    output_dir: str = "runs/demo-{time}"
     max_steps: int = 300
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -428,6 +428,7 @@ def train(
     if t.num_threads:
         torch.set_num_threads(t.num_threads)
     device = resolve_device(cfg.model.device)
+    cfg.output_dir = cfg.output_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))
     output_dir = Path(cfg.output_dir)
     prepare_output_dir(output_dir, bool(resume), overwrite)
 
