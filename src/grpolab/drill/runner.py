@@ -16,6 +16,7 @@ import torch
 
 from grpolab import checks
 from grpolab.checks import CheckResult, CoreImpl, PreflightBatch, PreflightSettings
+from grpolab.drill.diagnose import first_failing, known_bugs
 
 # The learner's functions each goal's checks call (directly or through grpo_loss).
 GOAL_FUNCTIONS: dict[int, tuple[str, ...]] = {
@@ -115,18 +116,18 @@ def _shape(x: Any) -> str:
 def _tensor_problem(name: str, x: Any, shape: tuple[int, ...] | None, where=None) -> str | None:
     """What is wrong with the returned value `x` (None when nothing is)."""
     if not isinstance(x, torch.Tensor):
-        return f"{name} is a {type(x).__name__}, expected a tensor"
+        return f"returned {name} as a {type(x).__name__}, expected a tensor"
     if shape is not None and tuple(x.shape) != shape:
         want = "a scalar" if shape == () else "[" + ", ".join(map(str, shape)) + "]"
         if shape == () and x.numel() == 1:
             return None
-        return f"{name} has shape {_shape(x)}, expected {want}"
+        return f"returned {name} of shape {_shape(x)}, expected {want}"
     values = x.detach()
     if where is not None and values.shape == where.shape:
         values = values[where]
     if values.is_floating_point() and not torch.isfinite(values).all():
         kind = "NaN" if torch.isnan(values).any() else "inf"
-        return f"{name} contains {kind}"
+        return f"returned {name} containing {kind}"
     return None
 
 
@@ -166,7 +167,7 @@ def probe_contracts(
 
     def run_group_advantages():
         out, line = call_traced(impl.group_advantages, batch.rewards, batch.group_size)
-        return _tensor_problem("the advantages", out, tuple(batch.rewards.shape)), line
+        return _tensor_problem("advantages", out, tuple(batch.rewards.shape)), line
 
     def run_policy_loss():
         out, line = call_traced(
@@ -182,11 +183,11 @@ def probe_contracts(
 
     def run_kl_k3():
         out, line = call_traced(impl.kl_k3, logp_new, logp_old)
-        return _tensor_problem("the KL", out, (b, T - 1)), line
+        return _tensor_problem("KL values", out, (b, T - 1)), line
 
     def run_aggregate():
         out, line = call_traced(impl.aggregate, logp_new, mask, s.loss_agg, T - 1)
-        return _tensor_problem("the aggregate", out, ()), line
+        return _tensor_problem("a value", out, ()), line
 
     def run_grpo_loss():
         out, line = call_traced(
@@ -197,13 +198,13 @@ def probe_contracts(
         if isinstance(pair, str):
             return pair, line
         loss, metrics = pair
-        problem = _tensor_problem("the loss", loss, ())
+        problem = _tensor_problem("a loss", loss, ())
         if problem is None and not isinstance(metrics, Mapping):
-            problem = f"metrics is a {type(metrics).__name__}, expected a dict"
+            problem = f"returned metrics as a {type(metrics).__name__}, expected a dict"
         if problem is None:
             absent = [k for k in METRIC_KEYS if k not in metrics]
             if absent:
-                problem = f"metrics lack {', '.join(absent)}"
+                problem = f"returned metrics without {', '.join(absent)}"
         return problem, line
 
     probes = {
@@ -320,8 +321,7 @@ def goal_results(
             gr.hint_key = f"write.{goal}"
         elif gr.problems or not mine or not all(r.passed for r in mine):
             gr.status = FAIL
-            failing = [r for r in mine if not r.passed]
-            gr.hint_key = failing[0].id if failing else f"write.{goal}"
+            gr.hint_key = first_failing(goal, mine) or f"write.{goal}"
         else:
             gr.hint_key = mine[0].id
         goals[goal] = gr
@@ -390,11 +390,11 @@ class Workbench:
         torch.manual_seed(self.settings.seed)
         results = checks.run_checks(self.model, self.batch, self.settings, impl)
         results = [_finite_measured(r) for r in results]
-        return DrillReport(
-            str(path),
-            goal_results(results, written, problems),
-            extras=[r for r in results if r.goal == 0],
-        )
+        goals = goal_results(results, written, problems)
+        failing = {g for g, gr in goals.items() if gr.status == FAIL and not gr.problems}
+        for goal, key in known_bugs(impl, failing).items():
+            goals[goal].hint_key = key
+        return DrillReport(str(path), goals, extras=[r for r in results if r.goal == 0])
 
 
 def _finite_measured(r: CheckResult) -> CheckResult:

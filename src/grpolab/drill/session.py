@@ -7,6 +7,7 @@ import json
 import os
 import select
 import shlex
+import shutil
 import subprocess
 import sys
 import traceback
@@ -112,6 +113,10 @@ class Session:
 
     def hint(self, arg: str | None) -> None:
         report = self.report
+        if report and report.load_error:  # nothing else can be checked before the file loads
+            self.say(self.paint(msg("load_error", self.lang, error=report.load_error), "red"))
+            self.say(*render.source_excerpt(report.path, report.load_line))
+            return
         if arg:
             goal = parse_goal(arg)
             if goal is None:
@@ -170,7 +175,8 @@ class Session:
         self.say(msg("train_start", self.lang, path=self.impl_path.name, args=shlex.join(args)))
         summary_path = run_dir / "summary.json"
         summary_path.unlink(missing_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        width = shutil.get_terminal_size((120, 24)).columns
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": str(max(width, 100))}
         proc = subprocess.Popen(
             [sys.executable, "-m", "grpolab", "train", *args],
             stdout=subprocess.PIPE,

@@ -26,10 +26,11 @@ def show_logprobs(impl: CoreImpl, model, tokenizer, batch: PreflightBatch, s) ->
     )
     with torch.no_grad():
         logp, mask = impl.sequence_logprobs(model, ids, am, cm, s.temperature)
+    shapes = f"logp {list(logp.shape)}, input_ids {list(ids.shape)}"
     logp, mask = logp[0], mask[0]
     lines = [
-        f"row {row} of the batch: logp[:, t] is the log-prob of token t+1; mask[:, t] = "
-        f"completion_mask[:, t+1]   (logp {tuple(logp.shape)}, input_ids {tuple(ids.shape)})",
+        f"row {row} of the batch ({shapes}): logp[:, t] is the log-prob of token t+1, "
+        "mask[:, t] = completion_mask[:, t+1]",
         f"{'t':>3}  {'token t+1':<10} {'logp':>9}  mask",
     ]
     for t in range(logp.shape[0]):
@@ -48,8 +49,8 @@ def show_advantages(impl: CoreImpl, batch: PreflightBatch) -> list[str]:
     r, a = batch.rewards.view(-1, G), adv.detach().view(-1, G)
     lines = [f"adv = group_advantages(rewards, group_size={G}); adv.view(-1, {G}):"]
     for i in range(r.shape[0]):
-        lines.append(f"group {i}: rewards {_row(r[i], 5)}")
-        lines.append(f"         adv     {_row(a[i], 5)}   row sum {float(a[i].sum()):+.2e}")
+        lines.append(f"group {i}: rewards {_row(r[i], 7)}")
+        lines.append(f"         adv     {_row(a[i], 7)}   row sum {float(a[i].sum()):+.2e}")
     lines.append(
         f"print(adv.view(-1, {G}).sum(dim=1)) -> {[round(float(x), 6) for x in a.sum(1)]}"
         "   # every row should be ~ 0"
@@ -116,30 +117,34 @@ def show_clip(impl: CoreImpl, s: PreflightSettings) -> list[str]:
 
 def show_kl(impl: CoreImpl, model, batch: PreflightBatch, s) -> list[str]:
     g = torch.Generator().manual_seed(s.seed)
+    rows = slice(0, min(8, batch.input_ids.shape[0]))
     with torch.no_grad():
-        positions = (batch.attention_mask[:1].long().cumsum(-1) - 1).clamp(min=0)
+        positions = (batch.attention_mask[rows].long().cumsum(-1) - 1).clamp(min=0)
         logits = model(
-            input_ids=batch.input_ids[:1],
-            attention_mask=batch.attention_mask[:1],
+            input_ids=batch.input_ids[rows],
+            attention_mask=batch.attention_mask[rows],
             position_ids=positions,
-        ).logits[0, :-1]
-        row = logits[batch.completion_mask[0, 1:].bool()][0].double()  # one real position, [V]
-    logp_new = torch.log_softmax(row, -1)
-    logp_ref = torch.log_softmax(
-        row + 0.5 * torch.randn(row.shape, generator=g, dtype=row.dtype), -1
-    )
+        ).logits[:, :-1]
+        candidates = logits[batch.completion_mask[rows, 1:].bool()].double()  # [n, V]
+        logp_all = torch.log_softmax(candidates, -1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    logp_new = logp_all[int(entropy.argmax())]  # the least certain real position, [V]
+    noise = torch.randn(logp_new.shape, generator=g, dtype=logp_new.dtype)
+    logp_ref = torch.log_softmax(logp_new + noise, -1)
     idx = torch.multinomial(logp_new.exp(), 4096, replacement=True, generator=g)
     k3 = impl.kl_k3(logp_new[idx], logp_ref[idx]).double()
     naive = (logp_new[idx] - logp_ref[idx]).double()
     exact = float((logp_new.exp() * (logp_new - logp_ref)).sum())
     return [
-        "one real next-token distribution of the model (new) and a perturbed copy (ref);",
-        "4096 tokens sampled from new:",
+        "the model's least certain next-token distribution in the batch (new) and a perturbed "
+        "copy (ref); 4096 tokens sampled from new:",
         f"  kl_k3 of the first 8 samples: {_row(k3[:8], 7)}",
-        f"  min {float(k3.min()):.4f}   mean {float(k3.mean()):.4f}   std {float(k3.std()):.4f}",
-        f"  naive logp_new - logp_ref: min {float(naive.min()):.4f}   mean "
+        f"  kl_k3:  min {float(k3.min()):+.4f}   mean {float(k3.mean()):.4f}   "
+        f"std {float(k3.std()):.4f}",
+        f"  naive logp_new - logp_ref:  min {float(naive.min()):+.4f}   mean "
         f"{float(naive.mean()):.4f}   std {float(naive.std()):.4f}",
-        f"  exact KL(new || ref) = {exact:.4f}",
+        f"  exact KL(new || ref) = {exact:.4f}   (the k3 mean should be close to it, and its "
+        "min >= 0)",
     ]
 
 
@@ -165,16 +170,16 @@ def show_aggregation(impl: CoreImpl, s: PreflightSettings) -> list[str]:
 
 def show_loss(impl: CoreImpl, model, batch: PreflightBatch, s) -> list[str]:
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
-    logp, mask = impl.sequence_logprobs(model, *args)
-    adv = core.group_advantages(batch.rewards, batch.group_size)
     g = torch.Generator().manual_seed(s.seed)
-    logp_old = logp.detach() + 0.2 * torch.randn(logp.shape, generator=g)  # a policy that moved
-    logp_ref = logp.detach() + 0.1 * torch.randn(logp.shape, generator=g)
-    loss, metrics = impl.grpo_loss(
-        logp, logp_old, logp_ref, adv, mask, eps_low=s.eps_low, eps_high=s.eps_high,
-        beta=0.04, loss_agg=s.loss_agg, max_completion_length=s.max_completion_length,
-    )  # fmt: skip
-    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        logp, mask = impl.sequence_logprobs(model, *args)
+        adv = core.group_advantages(batch.rewards, batch.group_size)
+        logp_old = logp + 0.2 * torch.randn(logp.shape, generator=g)  # a policy that moved
+        logp_ref = logp + 0.1 * torch.randn(logp.shape, generator=g)
+        loss, metrics = impl.grpo_loss(
+            logp, logp_old, logp_ref, adv, mask, eps_low=s.eps_low, eps_high=s.eps_high,
+            beta=0.04, loss_agg=s.loss_agg, max_completion_length=s.max_completion_length,
+        )  # fmt: skip
     lines = [
         "grpo_loss on the real batch, with logp_old and logp_ref perturbed (as after a few "
         "updates), beta 0.04:",
