@@ -124,11 +124,27 @@ def loss_scale(mode: str, micro_mask: torch.Tensor, unit_mask: torch.Tensor) -> 
     return micro_mask.shape[0] / unit_mask.shape[0]
 
 
-def first_nonfinite(named: dict[str, torch.Tensor | None]) -> str | None:
-    """The first of the named tensors (in order) holding a non-finite value, with a count."""
+def is_on_policy(cfg: Config) -> bool:
+    """One optimizer step per batch: the policy cannot change before the loss forward, so
+    that forward's detached log-probs ARE scheme A's logp_old (no extra pass needed)."""
+    t = cfg.trainer
+    one_minibatch = t.mini_batch_size in (None, cfg.batch_size)
+    return t.num_iterations == 1 and one_minibatch and t.logprob_source == "trainer"
+
+
+def first_nonfinite(
+    named: dict[str, torch.Tensor | None], mask: torch.Tensor | None = None
+) -> str | None:
+    """The first of the named tensors (in order) with a non-finite value where `mask` is set
+    (everywhere without a mask), with a count."""
     for name, t in named.items():
-        if t is not None and not torch.isfinite(t).all():
-            return f"{name} ({int((~torch.isfinite(t)).sum())} non-finite values)"
+        if t is None:
+            continue
+        bad = ~torch.isfinite(t)
+        if mask is not None:
+            bad = bad & mask.bool()
+        if bad.any():
+            return f"{name} ({int(bad.sum())} non-finite values)"
     return None
 
 
@@ -203,9 +219,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     B = input_ids.shape[0]
     mini = t.mini_batch_size or B
     micro = mini // t.gradient_accumulation_steps
-    # With one optimizer step per batch the policy cannot change before the loss forward,
-    # so that forward's detached log-probs ARE scheme A's logp_old: no extra pass needed.
-    on_policy = t.num_iterations == 1 and mini == B and t.logprob_source == "trainer"
+    on_policy = is_on_policy(cfg)
 
     # 3. Old and reference log-probs, before any update.
     tic = time.perf_counter()
@@ -231,7 +245,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
     weight_total = 0.0
-    norms, skipped, nonfinite_what = [], 0, None
+    norms, unit_losses, skipped, nonfinite_what = [], [], 0, None
     perm_gen = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
     for _epoch in range(t.num_iterations):
         order = torch.randperm(B, generator=perm_gen) if mini < B else torch.arange(B)
@@ -239,8 +253,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
             unit = order[start : start + mini]
             unit_mask = completion_mask[unit, 1:]  # [mini, T-1]
             run.optimizer.zero_grad(set_to_none=True)
-            losses = []
-            bad = None
+            unit_loss, bad = 0.0, None
             for m_start in range(0, mini, micro):
                 idx = unit[m_start : m_start + micro]
                 logp, mask = C.sequence_logprobs(
@@ -260,10 +273,14 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
                     loss_agg=t.loss_type,
                     max_completion_length=cfg.rollout.max_completion_length,
                 )
-                bad = bad or first_nonfinite({"logp_old": old, "logp_ref": ref, "logp_new": logp})
+                given_old = None if logp_old is None else old  # on-policy: old is logp itself
+                bad = bad or first_nonfinite(
+                    {"logp_old": given_old, "logp_ref": ref, "logp_new": logp.detach()}, mask
+                )
                 bad = bad or first_nonfinite({"loss": loss.detach()})
-                (loss * loss_scale(t.loss_type, mask, unit_mask)).backward()
-                losses.append(loss.detach() * loss_scale(t.loss_type, mask, unit_mask))
+                share = loss * loss_scale(t.loss_type, mask, unit_mask)
+                share.backward()
+                unit_loss += float(share)
                 w = float(mask.sum())
                 weight_total += w
                 for k, v in m.items():
@@ -281,6 +298,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
                 run.optimizer.step()
                 run.scheduler.step()  # the schedule counts applied updates
                 norms.append(float(norm))
+            unit_losses.append(unit_loss)
     run.engine.sync_weights(model)  # a separate engine (vLLM) samples the next step from these
     timings["time/update"] = time.perf_counter() - tic
 
@@ -288,7 +306,8 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     metrics: dict[str, Any] = {
         **scores.metrics,  # reward/mean|std, rewards/<fn>/mean, frac_reward_zero_std, lengths
         "accuracy": float(is_correct.float().mean()),
-        **{k: v / max(weight_total, 1.0) for k, v in sums.items()},
+        **{k: v / max(weight_total, 1.0) for k, v in sums.items()},  # token-weighted
+        "loss": sum(unit_losses) / len(unit_losses),  # the loss each optimizer step saw
         "grad_norm": sum(norms) / len(norms) if norms else float("nan"),
         "lr": run.scheduler.get_last_lr()[0],
         "skipped": skipped,
@@ -456,11 +475,17 @@ def train(
         start_step = state["step"]
         run.skipped_steps = state.get("skipped_steps", 0)
         run.consecutive_nonfinite = state.get("consecutive_nonfinite", 0)
+        run.engine.sync_weights(model)
         console.print(f"resuming from {resume_dir} at step {start_step}")
     optimizer, scheduler, data_gen, task = run.optimizer, run.scheduler, run.data_gen, run.task
     engine, accuracy = run.engine, run.accuracy
 
     card = core_module.objective_card(objective_fields(cfg))
+    if is_on_policy(cfg):
+        card += (
+            "\n  (one optimizer step per batch: logp_old is the loss forward's own detached"
+            " log-probs, exact, no extra pass)"
+        )
     (output_dir / "config.yaml").write_text(to_yaml(cfg))
     (output_dir / "objective.txt").write_text(card + "\n")
     console.print("[bold]Resolved config[/bold]\n" + to_yaml(cfg))
