@@ -259,3 +259,19 @@ def test_eval_command(capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "accuracy (greedy)" in out and "pass@2" in out
+
+
+def test_warmup_is_deterministic_and_loadable(tmp_path):
+    from grpolab.warmup import WarmupConfig, warmup
+
+    accs = [
+        warmup(tmp_path / f"w{i}", WarmupConfig(steps=2, num_threads=0, eval_examples=32))
+        for i in range(2)
+    ]
+    assert accs[0] == accs[1] and 0.0 <= accs[0] <= 100.0
+    a, tok = load_policy(tmp_path / "w0")
+    b, _ = load_policy(tmp_path / "w1")
+    assert tok("37+48=", add_special_tokens=False)["input_ids"]  # the character vocabulary
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name
+    assert a.config.hidden_size // a.config.num_attention_heads >= 32  # vLLM CPU attention

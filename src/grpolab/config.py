@@ -99,7 +99,7 @@ class TrainerConfig:
 class Config:
     # "{time}" becomes the start time, so repeated demo runs never collide.
     output_dir: str = "runs/demo-{time}"
-    max_steps: int = 300
+    max_steps: int = 400
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)

@@ -280,7 +280,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
                 bad = bad or first_nonfinite({"loss": loss.detach()})
                 share = loss * loss_scale(t.loss_type, mask, unit_mask)
                 share.backward()
-                unit_loss += float(share)
+                unit_loss += float(share.detach())
                 w = float(mask.sum())
                 weight_total += w
                 for k, v in m.items():
