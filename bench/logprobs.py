@@ -12,9 +12,11 @@ One step: token log-probs of N tokens from hidden states [N, H] and an lm-head w
   floor        the three unavoidable matmuls alone: h @ W^T, then grad @ W and grad^T @ h
 
 Each (shape, variant) runs in its own process so that peak memory is its own. Peak memory is
-the step's rise above the inputs: on CPU the growth of the process's maximum resident set
-(getrusage ru_maxrss) during the first step; on CUDA torch.cuda.max_memory_allocated.
-Time is the median of --repeats steps after that first one.
+the step's rise above the inputs: on CPU the peak resident set of the process during the
+first step (VmHWM, reset through /proc/self/clear_refs) minus the resident set before it;
+on CUDA torch.cuda.max_memory_allocated minus the allocated memory before it. Time is the
+median of --repeats steps after that first one, pooled over --rounds processes per variant
+(rounds interleave the variants, so a change of machine load hits all of them).
 
     python bench/logprobs.py                         # default CPU shapes, a few minutes
     python bench/logprobs.py --shapes 4096x128x151936 --json out.json
@@ -38,7 +40,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 VARIANTS = ("naive", "rowloop", "trl_chunked", "fused", "floor")
-DEFAULT_SHAPES = ("512x64x32768", "2048x128x151936", "512x896x151936")
+# A tiny model's head, Qwen's vocabulary with a narrow and with Qwen2.5-0.5B's hidden size.
+DEFAULT_SHAPES = ("512x64x32768", "1024x128x151936", "256x896x151936")
 # Qwen2.5-0.5B's lm-head (H = 896, V = 151,936) at 16 x 512 and 64 x 1024 completion tokens.
 PRESETS = {"qwen0.5b": ("8192x896x151936", "65536x896x151936")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -128,8 +131,23 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def maxrss_mb() -> float:
+def rss_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process, in MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+
+
+def reset_peak_rss() -> float:
+    """Reset the peak resident set to the current one (Linux >= 4.0); the baseline."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return rss_mb("VmHWM")  # no reset: the rise of the high-water mark
+    return rss_mb("VmRSS")
 
 
 def worker(args) -> dict:
@@ -138,10 +156,9 @@ def worker(args) -> dict:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     shape = Shape.parse(args.shapes[0])
     gen = torch.Generator(device="cpu").manual_seed(0)
-    hidden = torch.randn(shape.tokens, shape.hidden, generator=gen).to(device, dtype)
-    weight = (torch.randn(shape.vocab, shape.hidden, generator=gen) / math.sqrt(shape.hidden)).to(
-        device, dtype
-    )
+    hidden = torch.randn(shape.tokens, shape.hidden, generator=gen, dtype=dtype).to(device)
+    weight = torch.randn(shape.vocab, shape.hidden, generator=gen, dtype=dtype).to(device)
+    weight.div_(math.sqrt(shape.hidden))
     hidden.requires_grad_(), weight.requires_grad_()
     targets = torch.randint(0, shape.vocab, (shape.tokens,), generator=gen).to(device)
     g = (torch.randn(shape.tokens, generator=gen) / shape.tokens).to(device)
@@ -166,7 +183,7 @@ def worker(args) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     else:
-        base = maxrss_mb()
+        base = reset_peak_rss()
     t0 = time.perf_counter()
     step()
     sync(device)
@@ -174,7 +191,7 @@ def worker(args) -> dict:
     if device.type == "cuda":
         peak_mb = (torch.cuda.max_memory_allocated(device) - base) / 2**20
     else:
-        peak_mb = maxrss_mb() - base
+        peak_mb = rss_mb("VmHWM") - base
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
@@ -244,6 +261,18 @@ def run_variant(variant: str, shape: Shape, args) -> Row:
     return row
 
 
+def merge(old: Row | None, new: Row) -> Row:
+    """Pool the times of two rounds; the peak is the larger one."""
+    if old is None or old.time_s is None:
+        return new
+    if new.time_s is None:
+        return old
+    old.times += new.times
+    old.time_s = statistics.median(old.times)
+    old.peak_mb = max(old.peak_mb, new.peak_mb)
+    return old
+
+
 def add_ratios(rows: list[Row]) -> None:
     ref = {r.variant: r for r in rows}
     for r in rows:
@@ -264,14 +293,15 @@ def print_table(rows: list[Row], args) -> None:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     threads = args.threads or torch.get_num_threads()
     memory = (
-        "rise of ru_maxrss during the first step"
+        "peak resident set of the first step minus the resident set before it"
         if args.device == "cpu"
         else "torch.cuda.max_memory_allocated above the inputs"
     )
     print(
         f"\nlog-prob step, forward + backward | device {args.device}, {args.dtype}, "
         f"{threads} thread(s), T = {args.temperature:g} | load average {load}\n"
-        f"time: median of {args.repeats} steps (own process per variant); peak: {memory}"
+        f"time: median of {args.repeats} steps x {args.rounds} round(s), each variant in its own "
+        f"process; peak: {memory}"
     )
     header = (
         f"{'shape (N x H x V)':<18} {'variant':<12} {'time s':>8} {'x naive':>8} {'x floor':>8} "
@@ -303,6 +333,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--repeats", type=int, default=3, help="timed steps after the first")
+    p.add_argument("--rounds", type=int, default=1, help="processes per variant, interleaved")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list")
@@ -319,6 +350,8 @@ def parse_args(argv=None):
     args.variants = variants
     if args.repeats < 0:
         p.error(f"--repeats must be >= 0, got {args.repeats}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but torch.cuda.is_available() is False")
     return args
@@ -335,15 +368,17 @@ def main(argv=None) -> None:
     rows: list[Row] = []
     for text in args.shapes:
         shape = Shape.parse(text)
-        shape_rows = []
-        for variant in variants:
-            row = run_variant(variant, shape, args)
-            print(
-                f"  {shape} {variant:<12} {fmt(row.time_s, '.3f')} s  "
-                f"{fmt(row.peak_mb, '.1f')} MB  {row.note}",
-                flush=True,
-            )
-            shape_rows.append(row)
+        shape_rows: dict[str, Row] = {}
+        for _ in range(args.rounds):
+            for variant in variants:
+                row = run_variant(variant, shape, args)
+                print(
+                    f"  {shape} {variant:<12} {fmt(row.time_s, '.3f')} s  "
+                    f"{fmt(row.peak_mb, '.1f')} MB  {row.note}",
+                    flush=True,
+                )
+                shape_rows[variant] = merge(shape_rows.get(variant), row)
+        shape_rows = list(shape_rows.values())
         add_ratios(shape_rows)
         rows += shape_rows
     print_table(rows, args)
