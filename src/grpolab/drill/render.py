@@ -66,10 +66,10 @@ def short_error(error: str, path: str | Path) -> str:
 
 
 def check_line(r: CheckResult, lang: str, paint: Painter) -> list[str]:
-    word = paint("pass", "green") if r.passed else paint("FAIL", "red")
+    word = status_word(PASS if r.passed else FAIL, lang, paint)
     lines = [
         f"      {word}  {check_name(r.id, lang)} ({r.id}): {shown(r.measured)}   "
-        f"expected {r.expected}"
+        f"{msg('expected_word', lang)} {r.expected}"
     ]
     if not r.passed and r.error is None:
         lines.append(f"            {r.what}")
@@ -77,7 +77,8 @@ def check_line(r: CheckResult, lang: str, paint: Painter) -> list[str]:
 
 
 def goal_lines(gr: GoalResult, path: str, lang: str, paint: Painter) -> list[str]:
-    lines = [f"goal {gr.goal}  {status_word(gr.status, lang, paint)}  {goal_text(gr.goal, lang)}"]
+    status = status_word(gr.status, lang, paint)
+    lines = [f"{msg('goal_word', lang)} {gr.goal}  {status}  {goal_text(gr.goal, lang)}"]
     if gr.status == TODO:
         if gr.missing:
             lines.append("      " + msg("todo_missing", lang, functions=", ".join(gr.missing)))
@@ -130,7 +131,7 @@ def goals_lines(state: DrillState, lang: str, paint: Painter) -> list[str]:
         if rec and rec.check:
             lines.append(
                 f"       {check_name(rec.check, lang)} ({rec.check}): {shown(rec.measured)}   "
-                f"expected {rec.expected}"
+                f"{msg('expected_word', lang)} {rec.expected}"
             )
         elif state.checked_at is None:
             lines.append(f"       {msg('never_checked', lang)}")

@@ -156,7 +156,7 @@ class Session:
             return
         self.bench.ensure()
         b = self.bench
-        self.say(*show_goal(goal, impl, b.model, b.tokenizer, b.batch, b.settings))
+        self.say(*show_goal(goal, impl, b.model, b.tokenizer, b.batch, b.settings, self.lang))
 
     def train(self, overrides: list[str]) -> None:
         self.watch()
@@ -223,6 +223,8 @@ class Session:
             return True
         try:
             commands[cmd]()
+        except KeyboardInterrupt:  # Ctrl-C stops the command, not the session
+            self.say("", msg("interrupted", self.lang))
         except Exception as err:  # the learner's code or the machine: never end the session
             self.say(*self.error_lines(err))
         return True

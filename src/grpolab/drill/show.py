@@ -9,6 +9,7 @@ import torch
 
 from grpolab import core
 from grpolab.checks import CoreImpl, PreflightBatch, PreflightSettings
+from grpolab.drill.texts import msg, show_text
 
 
 def _fmt(x: float) -> str:
@@ -19,7 +20,7 @@ def _row(values, width: int = 8) -> str:
     return " ".join(f"{float(v):>{width}.4f}" for v in values)
 
 
-def show_logprobs(impl: CoreImpl, model, tokenizer, batch: PreflightBatch, s) -> list[str]:
+def show_logprobs(impl: CoreImpl, model, tokenizer, batch: PreflightBatch, s, lang) -> list[str]:
     row = int(batch.completion_mask.sum(1).argmax())  # the longest completion
     ids, am, cm = (
         t[row : row + 1] for t in (batch.input_ids, batch.attention_mask, batch.completion_mask)
@@ -29,8 +30,7 @@ def show_logprobs(impl: CoreImpl, model, tokenizer, batch: PreflightBatch, s) ->
     shapes = f"logp {list(logp.shape)}, input_ids {list(ids.shape)}"
     logp, mask = logp[0], mask[0]
     lines = [
-        f"row {row} of the batch ({shapes}): logp[:, t] is the log-prob of token t+1, "
-        "mask[:, t] = completion_mask[:, t+1]",
+        show_text("1_head", lang, row=row, shapes=shapes),
         f"{'t':>3}  {'token t+1':<10} {'logp':>9}  mask",
     ]
     for t in range(logp.shape[0]):
@@ -39,11 +39,11 @@ def show_logprobs(impl: CoreImpl, model, tokenizer, batch: PreflightBatch, s) ->
         token = tokenizer.decode([int(ids[0, t + 1])])
         lines.append(f"{t:>3}  {token!r:<10} {float(logp[t]):>9.4f}  {float(mask[t]):g}")
     total = float((logp * mask).sum())
-    lines.append(f"sum of the completion's logp = {total:.4f} (the sequence's log-prob)")
+    lines.append(show_text("1_sum", lang, total=total))
     return lines
 
 
-def show_advantages(impl: CoreImpl, batch: PreflightBatch) -> list[str]:
+def show_advantages(impl: CoreImpl, batch: PreflightBatch, lang: str) -> list[str]:
     G = batch.group_size
     adv = impl.group_advantages(batch.rewards, G)
     r, a = batch.rewards.view(-1, G), adv.detach().view(-1, G)
@@ -53,12 +53,12 @@ def show_advantages(impl: CoreImpl, batch: PreflightBatch) -> list[str]:
         lines.append(f"         adv     {_row(a[i], 7)}   row sum {float(a[i].sum()):+.2e}")
     lines.append(
         f"print(adv.view(-1, {G}).sum(dim=1)) -> {[round(float(x), 6) for x in a.sum(1)]}"
-        "   # every row should be ~ 0"
+        f"   {show_text('2_note', lang)}"
     )
     return lines
 
 
-def show_ratio(impl: CoreImpl, model, batch: PreflightBatch, s) -> list[str]:
+def show_ratio(impl: CoreImpl, model, batch: PreflightBatch, s, lang: str) -> list[str]:
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
     model.train()
     try:
@@ -75,9 +75,8 @@ def show_ratio(impl: CoreImpl, model, batch: PreflightBatch, s) -> list[str]:
         loss_agg=s.loss_agg, max_completion_length=s.max_completion_length,
     )  # fmt: skip
     return [
-        "logp_old: an extra forward right after sampling (scheme A); logp_new: the first "
-        "update's forward",
-        f"ratio = exp(logp_new - logp_old) over {int(valid.sum())} completion tokens:",
+        show_text("3_head", lang),
+        show_text("3_over", lang, n=int(valid.sum())),
         f"  min {float(ratio.min()):.6f}  max {float(ratio.max()):.6f}  "
         f"mean {float(ratio.mean()):.6f}",
         f"  max |ratio - 1| = {float((ratio - 1).abs().max()):.2e}   (assert allclose to 1, "
@@ -86,7 +85,7 @@ def show_ratio(impl: CoreImpl, model, batch: PreflightBatch, s) -> list[str]:
     ]
 
 
-def show_clip(impl: CoreImpl, s: PreflightSettings) -> list[str]:
+def show_clip(impl: CoreImpl, s: PreflightSettings, lang: str) -> list[str]:
     lo, hi = 1 - s.eps_low, 1 + s.eps_high
     ratios = torch.tensor([[0.5, 0.9, 1.0, 1.1, 1.25, 1.5]] * 2)
     advantages = torch.tensor([1.0, -1.0])
@@ -98,7 +97,7 @@ def show_clip(impl: CoreImpl, s: PreflightSettings) -> list[str]:
     )
     clipped = ratios.clamp(lo, hi)
     lines = [
-        f"eps_low {s.eps_low:g}, eps_high {s.eps_high:g}: clip(ratio) to [{lo:g}, {hi:g}]",
+        show_text("4_head", lang, lo=s.eps_low, hi=s.eps_high, a=lo, b=hi),
         f"{'A':>5} {'ratio':>7} {'clipped':>8} {'ratio*A':>8} {'clip*A':>8} "
         f"{'per_token':>10} {'expected':>9}",
     ]
@@ -115,7 +114,7 @@ def show_clip(impl: CoreImpl, s: PreflightSettings) -> list[str]:
     return lines
 
 
-def show_kl(impl: CoreImpl, model, batch: PreflightBatch, s) -> list[str]:
+def show_kl(impl: CoreImpl, model, batch: PreflightBatch, s, lang: str) -> list[str]:
     g = torch.Generator().manual_seed(s.seed)
     rows = slice(0, min(8, batch.input_ids.shape[0]))
     with torch.no_grad():
@@ -136,19 +135,17 @@ def show_kl(impl: CoreImpl, model, batch: PreflightBatch, s) -> list[str]:
     naive = (logp_new[idx] - logp_ref[idx]).double()
     exact = float((logp_new.exp() * (logp_new - logp_ref)).sum())
     return [
-        "the model's least certain next-token distribution in the batch (new) and a perturbed "
-        "copy (ref); 4096 tokens sampled from new:",
+        show_text("5_head", lang),
         f"  kl_k3 of the first 8 samples: {_row(k3[:8], 7)}",
         f"  kl_k3:  min {float(k3.min()):+.4f}   mean {float(k3.mean()):.4f}   "
         f"std {float(k3.std()):.4f}",
         f"  naive logp_new - logp_ref:  min {float(naive.min()):+.4f}   mean "
         f"{float(naive.mean()):.4f}   std {float(naive.std()):.4f}",
-        f"  exact KL(new || ref) = {exact:.4f}   (the k3 mean should be close to it, and its "
-        "min >= 0)",
+        f"  exact KL(new || ref) = {exact:.4f}   {show_text('5_note', lang)}",
     ]
 
 
-def show_aggregation(impl: CoreImpl, s: PreflightSettings) -> list[str]:
+def show_aggregation(impl: CoreImpl, s: PreflightSettings, lang: str) -> list[str]:
     g = torch.Generator().manual_seed(s.seed)
     per_token = torch.randn(4, 6, generator=g)
     lengths = [6, 1, 3, 4]
@@ -157,18 +154,18 @@ def show_aggregation(impl: CoreImpl, s: PreflightSettings) -> list[str]:
         mask[i, :n] = 1
     L = 6
     lines = [
-        f"per_token [4, 6] with completion lengths {lengths} (max_completion_length {L}):",
-        f"{'mode':<10} {'yours':>9} {'expected':>9}",
+        show_text("6_head", lang, lengths=lengths, L=L),
+        f"{'mode':<10} {show_text('6_cols', lang):>9} {msg('expected_word', lang):>9}",
     ]
     for mode in core.AGGREGATIONS:
         yours = float(impl.aggregate(per_token, mask, mode, L))
         expected = float(core.aggregate(per_token, mask, mode, L))
         lines.append(f"{mode:<10} {yours:>9.4f} {expected:>9.4f}")
-    lines.append(f"the drill declares loss_agg = {s.loss_agg!r}: grpo_loss must use that one")
+    lines.append(show_text("6_note", lang, agg=s.loss_agg))
     return lines
 
 
-def show_loss(impl: CoreImpl, model, batch: PreflightBatch, s) -> list[str]:
+def show_loss(impl: CoreImpl, model, batch: PreflightBatch, s, lang: str) -> list[str]:
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
     g = torch.Generator().manual_seed(s.seed)
     with torch.no_grad():
@@ -181,23 +178,22 @@ def show_loss(impl: CoreImpl, model, batch: PreflightBatch, s) -> list[str]:
             beta=0.04, loss_agg=s.loss_agg, max_completion_length=s.max_completion_length,
         )  # fmt: skip
     lines = [
-        "grpo_loss on the real batch, with logp_old and logp_ref perturbed (as after a few "
-        "updates), beta 0.04:",
+        show_text("7_head", lang),
         f"  loss = {float(loss):.6f}",
     ]
     lines += [f"  {k:<15} {float(v):.6f}" for k, v in metrics.items()]
     return lines
 
 
-def show_goal(goal: int, impl: CoreImpl, model, tokenizer, batch, s) -> list[str]:
+def show_goal(goal: int, impl: CoreImpl, model, tokenizer, batch, s, lang: str) -> list[str]:
     shows: dict[int, Callable[[], list[str]]] = {
-        1: lambda: show_logprobs(impl, model, tokenizer, batch, s),
-        2: lambda: show_advantages(impl, batch),
-        3: lambda: show_ratio(impl, model, batch, s),
-        4: lambda: show_clip(impl, s),
-        5: lambda: show_kl(impl, model, batch, s),
-        6: lambda: show_aggregation(impl, s),
-        7: lambda: show_loss(impl, model, batch, s),
+        1: lambda: show_logprobs(impl, model, tokenizer, batch, s, lang),
+        2: lambda: show_advantages(impl, batch, lang),
+        3: lambda: show_ratio(impl, model, batch, s, lang),
+        4: lambda: show_clip(impl, s, lang),
+        5: lambda: show_kl(impl, model, batch, s, lang),
+        6: lambda: show_aggregation(impl, s, lang),
+        7: lambda: show_loss(impl, model, batch, s, lang),
     }
     was_training = model.training
     model.eval()

@@ -100,6 +100,8 @@ MESSAGES: dict[str, dict[str, str]] = {
         "  help        本列表\n"
         "  quit        退出（进度保存在 .drill.json）",
     },
+    "goal_word": {"en": "goal", "zh": "目标"},
+    "expected_word": {"en": "expected", "zh": "期望"},
     "goals_title": {"en": "Goals ({passed}/7 pass)", "zh": "目标（{passed}/7 通过）"},
     "status_pass": {"en": "pass", "zh": "通过"},
     "status_fail": {"en": "FAIL", "zh": "未通过"},
@@ -185,6 +187,10 @@ MESSAGES: dict[str, dict[str, str]] = {
         "en": "training stopped with exit code {code} (see the output above)",
         "zh": "训练以退出码 {code} 结束（见上面的输出）",
     },
+    "interrupted": {
+        "en": "(interrupted; `quit` or Ctrl-D leaves the drill)",
+        "zh": "（已中断；`quit` 或 Ctrl-D 退出 drill）",
+    },
     "unknown_command": {
         "en": "unknown command {cmd!r}; type `help`",
         "zh": "未知命令 {cmd!r}；输入 `help`",
@@ -211,6 +217,64 @@ MESSAGES: dict[str, dict[str, str]] = {
         "zh": "drill 无法完成：{error}",
     },
 }
+
+
+# `show N`: the words around the printed quantities.
+SHOW: dict[str, dict[str, str]] = {
+    "1_head": {
+        "en": "row {row} of the batch ({shapes}): logp[:, t] is the log-prob of token t+1, "
+        "mask[:, t] = completion_mask[:, t+1]",
+        "zh": "batch 第 {row} 行（{shapes}）：logp[:, t] 是第 t+1 个 token 的 logprob，"
+        "mask[:, t] = completion_mask[:, t+1]",
+    },
+    "1_sum": {
+        "en": "sum of the completion's logp = {total:.4f} (the sequence's log-prob)",
+        "zh": "completion 的 logp 之和 = {total:.4f}（整条回答的对数概率）",
+    },
+    "2_note": {"en": "# every row should be ~ 0", "zh": "# 每一行都应该接近 0"},
+    "3_head": {
+        "en": "logp_old: an extra forward right after sampling (scheme A); logp_new: the first "
+        "update's forward",
+        "zh": "logp_old：采样后立刻多跑一次前向（方案 A）；logp_new：第一次更新时的前向",
+    },
+    "3_over": {
+        "en": "ratio = exp(logp_new - logp_old) over {n} completion tokens:",
+        "zh": "ratio = exp(logp_new - logp_old)，共 {n} 个 completion token：",
+    },
+    "4_head": {
+        "en": "eps_low {lo:g}, eps_high {hi:g}: ratio clipped to [{a:g}, {b:g}]",
+        "zh": "eps_low {lo:g}，eps_high {hi:g}：ratio 截断到 [{a:g}, {b:g}]",
+    },
+    "5_head": {
+        "en": "the model's least certain next-token distribution in the batch (new) and a "
+        "perturbed copy (ref); 4096 tokens sampled from new:",
+        "zh": "batch 里模型最不确定的一个下一 token 分布（new）和它的扰动版本（ref）；"
+        "从 new 采样 4096 个 token：",
+    },
+    "5_note": {
+        "en": "(the k3 mean should be close to it, and its min >= 0)",
+        "zh": "（k3 的均值应接近它，且最小值 >= 0）",
+    },
+    "6_head": {
+        "en": "per_token [4, 6] with completion lengths {lengths} (max_completion_length {L}):",
+        "zh": "per_token [4, 6]，completion 长度 {lengths}（max_completion_length {L}）：",
+    },
+    "6_cols": {"en": "yours", "zh": "你的"},
+    "6_note": {
+        "en": "the drill declares loss_agg = {agg!r}: grpo_loss must use that one",
+        "zh": "drill 声明 loss_agg = {agg!r}：grpo_loss 必须用这一种",
+    },
+    "7_head": {
+        "en": "grpo_loss on the real batch, with logp_old and logp_ref perturbed (as after a "
+        "few updates), beta 0.04:",
+        "zh": "真实 batch 上的 grpo_loss，logp_old 和 logp_ref 加了扰动（像更新几步之后），"
+        "beta 0.04：",
+    },
+}
+
+
+def show_text(key: str, lang: str, **fields) -> str:
+    return SHOW[key][lang].format(**fields)
 
 
 def pick_lang(requested: str | None, environ: dict[str, str] | None = None) -> str:
