@@ -106,7 +106,9 @@ class Config:
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     # The demo's answers are at most 3 digits + EOS; real tasks set their own length.
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(max_completion_length=6))
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(num_threads=2))
+    # One thread: the demo's tiny model gains nothing from more, and on a shared CPU a second
+    # thread made steps 5-10x slower (measured: 0.6 s vs 6 s per step under load 6).
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(num_threads=1))
 
     @property
     def batch_size(self) -> int:
