@@ -62,6 +62,7 @@ def test_round_trip_through_yaml(tmp_path):
         (["trainer.lr_scheduler=linear"], "trainer.lr_scheduler"),
         (["trainer.report_to=mlflow"], "trainer.report_to"),
         (["rollout.temperature=0"], "rollout.temperature"),
+        (["rollout.engine=sglang"], "rollout.engine"),
         (["max_steps=-1"], "max_steps"),
         (["trainer=3"], "trainer"),
         (["trainer.learning_rate"], "trainer.learning_rate"),

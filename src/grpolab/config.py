@@ -17,28 +17,9 @@ from typing import Any
 import yaml
 
 from grpolab.core import ADVANTAGE_SCALES, AGGREGATIONS, LOGPROB_SOURCES, LOSS_TYPE_ALIASES
+from grpolab.rewards import RewardsConfig  # each section lives with its module
+from grpolab.rollout import ENGINES, RolloutConfig
 from grpolab.tasks import TaskConfig
-
-try:  # the rollout and rewards sections live with their modules
-    from grpolab.rollout import RolloutConfig
-except ImportError:  # pragma: no cover - until the rollout engines land
-
-    @dataclass
-    class RolloutConfig:
-        engine: str = "hf"
-        temperature: float = 1.0
-        top_p: float = 1.0
-        top_k: int = 0
-        max_completion_length: int = 32
-
-
-try:
-    from grpolab.rewards import RewardsConfig
-except ImportError:  # pragma: no cover - until the rewards land
-
-    @dataclass
-    class RewardsConfig:
-        pass
 
 
 class ConfigError(ValueError):
@@ -331,11 +312,11 @@ def validate(cfg: Config) -> None:
             "one of tensorboard, wandb, trackio",
         )
     r = cfg.rollout
-    if hasattr(r, "temperature"):
-        _need(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0")
-    if hasattr(r, "max_completion_length"):
-        mcl = r.max_completion_length
-        _need(mcl >= 1, "rollout.max_completion_length", mcl, "an integer >= 1")
+    _need(r.engine in ENGINES, "rollout.engine", r.engine, f"one of {list(ENGINES)}")
+    # Training samples at temperature > 0 (0 is greedy: no spread within a group).
+    _need(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0")
+    mcl = r.max_completion_length
+    _need(mcl >= 1, "rollout.max_completion_length", mcl, "an integer >= 1")
 
 
 # --- Output -----------------------------------------------------------------------------------
@@ -360,8 +341,8 @@ def objective_fields(cfg: Config) -> dict[str, Any]:
         epsilon_high=t.epsilon_high,
         beta=t.beta,
         loss_type=t.loss_type,
-        max_completion_length=getattr(cfg.rollout, "max_completion_length", None),
-        temperature=getattr(cfg.rollout, "temperature", 1.0),
+        max_completion_length=cfg.rollout.max_completion_length,
+        temperature=cfg.rollout.temperature,
         num_iterations=t.num_iterations,
         logprob_source=t.logprob_source,
     )
