@@ -316,6 +316,7 @@ def test_the_interactive_session(tmp_path):
         r"held-out accuracy with your GRPO: ([\d.]+)% before -> ([\d.]+)% after 2", out
     )
     assert found, out[-3000:]
+    assert "resolved config: " in out and "adam_beta1" not in out  # the full config: config.yaml
     summary = json.loads((ws / "runs" / "drill" / "summary.json").read_text())
     assert f"{summary['accuracy_before']:.1f}" == found.group(1)
     assert f"{summary['accuracy_after']:.1f}" == found.group(2)

@@ -186,8 +186,8 @@ class Session:
             errors="replace",
             env=env,
         )
-        for line in proc.stdout:
-            self.say(line.rstrip("\n"))
+        for line in quiet_config(proc.stdout, run_dir / "config.yaml"):
+            self.say(line)
         code = proc.wait()
         if code != 0 or not summary_path.is_file():
             self.say(msg("train_failed", self.lang, code=code))
@@ -257,6 +257,20 @@ class Session:
             changed = True
         if changed:
             self.prompt()
+
+
+def quiet_config(lines: Iterator[str], config_path: Path) -> Iterator[str]:
+    """The trainer's output without its full resolved config (it is in config.yaml)."""
+    skipping = False
+    for line in lines:
+        line = line.rstrip("\n")
+        if line.startswith("Resolved config"):
+            skipping = True
+            yield f"resolved config: {config_path}"
+        elif skipping and line.startswith("GRPO objective"):
+            skipping = False
+        if not skipping:
+            yield line
 
 
 def train_result(summary: dict, run_dir: Path, lang: str) -> str:
