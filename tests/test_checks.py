@@ -127,3 +127,22 @@ def test_impl_source_names_what_was_replaced():
     impl = checks.load_impl(MUTANTS / "naive_kl.py")
     assert impl.source["kl_k3"].endswith("naive_kl.py")
     assert impl.source["grpo_loss"] == "grpolab"
+
+
+def test_an_error_is_reported_under_the_check_it_interrupted(tmp_path, model_and_batch):
+    model, batch = model_and_batch
+    impl_file = tmp_path / "my_grpo.py"
+    impl_file.write_text(
+        "import torch\n"
+        "from grpolab import core\n\n\n"
+        "def sequence_logprobs(model, ids, attention, completion, temperature=1.0):\n"
+        "    if next(model.parameters()).dtype == torch.bfloat16:\n"
+        "        raise TypeError('no bf16 here')\n"
+        "    return core.sequence_logprobs(\n"
+        "        model, ids, attention, completion, temperature\n"
+        "    )\n"
+    )
+    results = by_id(checks.run_checks(model, batch, impl=checks.load_impl(impl_file)))
+    assert results["logprobs.shift"].passed  # measured before the failure: kept
+    failed = results["logprobs.float32"]
+    assert not failed.passed and failed.error_line == 7 and "no bf16 here" in failed.error

@@ -697,14 +697,19 @@ def check_rewards(batch: PreflightBatch):
 # --- Running them ------------------------------------------------------------------------------
 
 
-def _guard(impl: CoreImpl, id: str, goal: int, fn: Callable, *args) -> list[CheckResult]:
-    """Run one check family; an exception in the implementation becomes a failed check."""
+def guarded(impl: CoreImpl, ids: tuple[str, ...], goal: int, fn: Callable, *args):
+    """Run one family of checks (`ids`, in the order `fn` yields them). An exception in the
+    implementation becomes a failed result for the check it interrupted; the results
+    already measured are kept."""
+    results: list[CheckResult] = []
     try:
-        return list(fn(*args))
+        for result in fn(*args):
+            results.append(result)
     except Exception as err:  # the user's code may raise anything
+        id = ids[min(len(results), len(ids) - 1)]
         line = impl_error_line(err, impl.path) if impl.path else None
         where = f"{impl.path}:{line}: " if line else ""
-        return [
+        results.append(
             CheckResult(
                 id=id,
                 goal=goal,
@@ -716,7 +721,24 @@ def _guard(impl: CoreImpl, id: str, goal: int, fn: Callable, *args) -> list[Chec
                 error=f"{where}{type(err).__name__}: {err}",
                 error_line=line,
             )
-        ]
+        )
+    return results
+
+
+FAMILIES = {
+    1: ("logprobs.shift", "logprobs.float32", "logprobs.temperature"),
+    2: (
+        "advantages.group_sums",
+        "advantages.population_std",
+        "advantages.zero_std_groups",
+        "advantages.contiguous",
+    ),
+    3: ("ratio.initial", "engine.agreement"),
+    4: ("clip.values", "clip.gradient", "clip.asymmetric", "clip.clip_frac"),
+    5: ("kl.nonnegative", "kl.identical", "kl.tracks_exact"),
+    6: ("norm.aggregation", "norm.masked_gradient"),
+    7: ("loss.finite", "loss.metrics", "loss.sgd_direction"),
+}
 
 
 def run_checks(
@@ -733,13 +755,14 @@ def run_checks(
     torch.manual_seed(s.seed)
     try:
         results = []
-        results += _guard(impl, "logprobs.shift", 1, check_logprobs, impl, model, batch, s)
-        results += _guard(impl, "advantages.group_sums", 2, check_advantages, impl, batch, s)
-        results += _guard(impl, "ratio.initial", 3, check_ratio, impl, model, batch, s)
-        results += _guard(impl, "clip.values", 4, check_clip, impl, s)
-        results += _guard(impl, "kl.nonnegative", 5, check_kl, impl, model, batch, s)
-        results += _guard(impl, "norm.aggregation", 6, check_normalisation, impl, model, batch, s)
-        results += _guard(impl, "loss.finite", 7, check_loss, impl, model, batch, s)
+        F = FAMILIES
+        results += guarded(impl, F[1], 1, check_logprobs, impl, model, batch, s)
+        results += guarded(impl, F[2], 2, check_advantages, impl, batch, s)
+        results += guarded(impl, F[3], 3, check_ratio, impl, model, batch, s)
+        results += guarded(impl, F[4], 4, check_clip, impl, s)
+        results += guarded(impl, F[5], 5, check_kl, impl, model, batch, s)
+        results += guarded(impl, F[6], 6, check_normalisation, impl, model, batch, s)
+        results += guarded(impl, F[7], 7, check_loss, impl, model, batch, s)
         results += list(check_rewards(batch))
     finally:
         model.zero_grad(set_to_none=True)

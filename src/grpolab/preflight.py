@@ -188,13 +188,13 @@ def run_preflight(cfg: Config, impl: CoreImpl | None = None, run=None) -> list[C
     was_training = model.training
     model.eval()
     try:
-        results += checks._guard(
-            impl, "split.gradient_invariance", 0, check_split_invariance, impl, model, batch, s
+        results += checks.guarded(
+            impl, ("split.gradient_invariance",), 0, check_split_invariance, impl, model, batch, s
         )
         if impl.path is None:  # memory of grpolab's own path; a learner's code is not sized
             prompt_tokens = longest_prompt_tokens(run)
-            results += checks._guard(
-                impl, "memory.worst_case", 0, check_worst_case_memory, impl, model, cfg,
+            results += checks.guarded(
+                impl, ("memory.worst_case",), 0, check_worst_case_memory, impl, model, cfg,
                 prompt_tokens,
             )  # fmt: skip
     finally:
