@@ -12,7 +12,7 @@ from grpolab.tracking import read_jsonl
 PLOTS = (
     (
         "reward.png",
-        "Reward and accuracy (training batches)",
+        "Reward and accuracy (training samples at T; held-out greedy)",
         [
             ("reward/mean", "reward mean"),
             ("accuracy", "accuracy"),
@@ -85,6 +85,10 @@ def write_report(run_dir: str | Path) -> Path:
     for r in rows:  # held-out accuracy is logged in percent; plot it as a fraction
         if isinstance(r.get("eval_accuracy"), (int, float)):
             r["eval_accuracy_frac"] = r["eval_accuracy"] / 100
+    if isinstance(summary.get("accuracy_before"), (int, float)):  # before and after GRPO
+        rows.insert(0, {"step": 0, "eval_accuracy_frac": summary["accuracy_before"] / 100})
+    if isinstance(summary.get("accuracy_after"), (int, float)):
+        rows[-1]["eval_accuracy_frac"] = summary["accuracy_after"] / 100
     window = max(1, len(rows) // 30)
     written = []
     for name, title, series, ylabel in PLOTS:
@@ -111,6 +115,7 @@ def write_report(run_dir: str | Path) -> Path:
             written.append(name)
         plt.close(fig)
 
+    rows = [r for r in rows if len(r) > 2 or "eval_accuracy_frac" not in r]  # drop step 0
     last = rows[-1]
 
     def mean_of(key: str, tail: int = 20) -> str:
