@@ -307,6 +307,20 @@ def test_masked_positions_contribute_nothing(model, tokenizer):
         torch.testing.assert_close(got, want, **FP32)
 
 
+def test_no_completion_token_at_all_gives_zeros_and_zero_gradients(model, tokenizer):
+    batch, _ = _batch(tokenizer, PROMPTS, COMPLETIONS)
+    no_completion = torch.zeros_like(batch[2])
+    logp, mask = token_logprobs(model, batch[0], batch[1], no_completion)
+    assert mask.sum() == 0 and torch.equal(logp, torch.zeros_like(logp))
+    grads = _params_grads(model, logp.sum())
+    assert all(g is None or torch.equal(g, torch.zeros_like(g)) for g in grads)
+    hidden, weight, _, _, _ = _problem(0, 8, 100)
+    (gw,) = _grads(
+        fused_token_logprobs(hidden, weight, torch.zeros(0, dtype=torch.long)).sum(), weight
+    )
+    assert torch.equal(gw, torch.zeros_like(gw))
+
+
 def test_naive_impl_is_the_core_with_zeros_where_masked(model, tokenizer):
     batch, _ = _batch(tokenizer, PROMPTS, COMPLETIONS)
     with torch.no_grad():

@@ -217,8 +217,10 @@ def _backward(
 
     b_w = torch.zeros(n_tokens, weight.shape[1], dtype=acc, device=device) if need_hidden else None
     # Full precision: each chunk's rows are overwritten by its first token chunk (beta = 0),
-    # so the [V, H] gradient needs no zeroing pass.
-    grad_weight = torch.empty_like(weight) if need_weight else None
+    # so the [V, H] gradient needs no zeroing pass (unless there is no token at all).
+    grad_weight = None
+    if need_weight:
+        grad_weight = torch.empty_like(weight) if n_tokens else torch.zeros_like(weight)
 
     for v0 in range(0, vocab, chunks.vocab):
         w = weight[v0 : v0 + chunks.vocab]  # [v, H]
