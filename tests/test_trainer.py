@@ -226,6 +226,7 @@ def test_nonfinite_guard_stops_with_checkpoint_and_capsule(tmp_path):
     capsule = torch.load(f"{cfg.output_dir}/nonfinite-capsule.pt", weights_only=False)
     assert {"input_ids", "advantages", "logp_old", "rng", "what"} <= set(capsule)
     assert capsule["what"].startswith("loss")
+    assert capsule["logp_old"].shape == (16, capsule["input_ids"].shape[1] - 1)
 
 
 def test_nonfinite_step_is_skipped_and_training_goes_on(tmp_path):

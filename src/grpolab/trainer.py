@@ -554,6 +554,16 @@ def train(
             if run.consecutive_nonfinite >= t.max_consecutive_nonfinite:
                 path = save(step)
                 capsule = output_dir / "nonfinite-capsule.pt"
+                if batch["logp_old"] is None:  # on-policy: the weights are still the sampler's
+                    batch["logp_old"] = batched_logprobs(
+                        run.core,
+                        model,
+                        batch["input_ids"].to(device),
+                        batch["attention_mask"].to(device),
+                        batch["completion_mask"].to(device),
+                        cfg.batch_size // t.gradient_accumulation_steps,
+                        cfg.rollout.temperature,
+                    ).cpu()
                 torch.save(
                     {**batch, "rng": rng_state(), "data_generator": data_gen.get_state()}, capsule
                 )
