@@ -276,3 +276,15 @@ def test_warmup_is_deterministic_and_loadable(tmp_path):
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(pa, pb), name
     assert a.config.hidden_size // a.config.num_attention_heads >= 32  # vLLM CPU attention
+
+
+def test_missing_tracker_package_is_a_clear_error(tmp_path, capsys):
+    try:
+        import wandb  # noqa: F401
+
+        pytest.skip("wandb is installed")
+    except ImportError:
+        pass
+    rc = main(["train", f"output_dir={tmp_path / 'x'}", "trainer.report_to=wandb", *SMALL])
+    assert rc == 2
+    assert "pip install wandb" in capsys.readouterr().err

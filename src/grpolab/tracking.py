@@ -76,14 +76,12 @@ class Tracker:
         if "tensorboard" in report_to:
             self._tb = _tensorboard(output_dir / "tensorboard", console)
         if "wandb" in report_to:
-            import wandb
-
+            wandb = _require("wandb")
             self._wandb = wandb.init(
                 project="grpolab", name=output_dir.name, config=config, dir=str(output_dir)
             )
         if "trackio" in report_to:
-            import trackio
-
+            trackio = _require("trackio")
             self._trackio = trackio
             trackio.init(project="grpolab", name=output_dir.name, config=config)
 
@@ -122,6 +120,17 @@ class Tracker:
             self._wandb.finish()
         if self._trackio is not None:
             self._trackio.finish()
+
+
+def _require(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise ValueError(
+            f"trainer.report_to lists {name!r} but {name} is not installed (pip install {name})"
+        ) from None
 
 
 def _tensorboard(logdir: Path, console: Console):
