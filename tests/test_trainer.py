@@ -288,3 +288,14 @@ def test_missing_tracker_package_is_a_clear_error(tmp_path, capsys):
     rc = main(["train", f"output_dir={tmp_path / 'x'}", "trainer.report_to=wandb", *SMALL])
     assert rc == 2
     assert "pip install wandb" in capsys.readouterr().err
+
+
+def test_scheme_b_takes_logp_old_from_the_engine(tmp_path):
+    cfg = small_config(tmp_path, "trainer.logprob_source=engine")
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    run = make_run(cfg, model, tokenizer)
+    metrics, batch = grpo_step(run, 1)
+    assert batch["logp_old"] is not None
+    # The engine's log-probs are the sampler's own: the first ratio is 1 up to float noise.
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["clip_frac"] == 0.0
