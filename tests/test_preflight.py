@@ -39,6 +39,7 @@ def test_preflight_passes_on_the_demo_and_prints_json():
         "split.gradient_invariance",
         "memory.worst_case",
         "rewards.variance",
+        "logprobs.fused_vs_naive",
     ]:
         assert extra in ids
     assert all(c["passed"] for c in report["checks"])

@@ -114,6 +114,51 @@ def check_split_invariance(impl: CoreImpl, model, batch: PreflightBatch, s: Pref
     )
 
 
+def check_fused_logprobs(model, batch: PreflightBatch, s: PreflightSettings):
+    """The trainer's memory-efficient log-probs against the seed's code on this model:
+    values and the gradient reaching the model's parameters."""
+    from grpolab import core
+    from grpolab.logprobs import split_model, token_logprobs
+
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
+    valid = batch.completion_mask[:, 1:].bool()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def values_and_grads(fn):
+        model.zero_grad(set_to_none=True)
+        logp, mask = fn(model, *args)
+        (logp * mask).sum().backward()
+        grads = [p.grad.detach().clone() for p in params if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        return logp.detach(), grads
+
+    fused, fused_grads = values_and_grads(token_logprobs)
+    naive, naive_grads = values_and_grads(core.sequence_logprobs)
+    gap = _max_gap(fused[valid], naive[valid])
+    scale = max((float(g.abs().max()) for g in naive_grads), default=1.0) or 1.0
+    grad_gap = max(
+        (_max_gap(a, b) for a, b in zip(fused_grads, naive_grads, strict=True)), default=0.0
+    )
+    grad_gap /= scale
+    reason = split_model(model).reason
+    path = "fused" if reason is None else f"naive fallback ({reason})"
+    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2
+    yield CheckResult(
+        "logprobs.fused_vs_naive",
+        0,
+        f"{path}: max |logp gap| (relative grad gap {grad_gap:.1e})",
+        gap,
+        f"<= {tol:g}",
+        gap <= tol and grad_gap <= tol,
+        "the chunked lm-head path disagrees with the seed's log-softmax on this model: set "
+        "trainer.logprobs=naive and report the model",
+    )
+
+
+def _max_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
 def check_worst_case_memory(impl: CoreImpl, model, cfg: Config, prompt_tokens: int):
     """Forward + backward of one micro-batch at the longest prompt + max_completion_length."""
     t = cfg.trainer
@@ -188,6 +233,10 @@ def run_preflight(cfg: Config, impl: CoreImpl | None = None, run=None) -> list[C
     was_training = model.training
     model.eval()
     try:
+        if cfg.trainer.logprobs == "fused":
+            results += checks.guarded(
+                impl, ("logprobs.fused_vs_naive",), 0, check_fused_logprobs, model, batch, s
+            )
         results += checks.guarded(
             impl, ("split.gradient_invariance",), 0, check_split_invariance, impl, model, batch, s
         )
