@@ -188,6 +188,9 @@ def test_missing_model_path_is_a_clear_error(tmp_path, capsys):
     rc = main(["train", f"output_dir={tmp_path / 'x'}", "model.name_or_path=/no/such/model"])
     assert rc == 2
     assert "/no/such/model" in capsys.readouterr().err
+    rc = main(["eval", "--model", "runs/nothing/checkpoint-5"])
+    assert rc == 2
+    assert "runs/nothing/checkpoint-5" in capsys.readouterr().err
 
 
 def test_config_error_from_the_cli_is_one_line(tmp_path, capsys):

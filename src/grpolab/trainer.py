@@ -379,7 +379,9 @@ def load_start_model(cfg: Config, device: torch.device):
                 "`grpolab warmup`"
             )
         source = str(DEMO_MODEL_DIR)
-    elif not Path(source).expanduser().exists() and source.startswith((".", "/", "~")):
+    elif not Path(source).expanduser().exists() and (
+        source.startswith((".", "/", "~")) or source.count("/") > 1  # a hub id is "org/name"
+    ):
         raise FileNotFoundError(f"model.name_or_path={source!r} does not exist")
     return load_policy(source, dtype=cfg.model.dtype, device=device)
 
