@@ -221,7 +221,7 @@ def test_nonfinite_guard_stops_with_checkpoint_and_capsule(tmp_path):
     start, _ = load_start_model(cfg, torch.device("cpu"))
     bad_core = dataclasses.replace(default_core("core"), grpo_loss=nan_after(1))
     with pytest.raises(NonFiniteError, match="loss") as err:
-        train(cfg, core=bad_core)
+        train(cfg, core=bad_core, skip_preflight=True)  # the preflight would catch it first
     assert "step 2" in str(err.value)
     saved, _ = load_policy(latest_checkpoint(cfg.output_dir))
     for (name, p0), p1 in zip(start.state_dict().items(), saved.state_dict().values(), strict=True):
@@ -241,7 +241,8 @@ def test_nonfinite_step_is_skipped_and_training_goes_on(tmp_path):
         loss, metrics = core.grpo_loss(*args, **kwargs)
         return (loss * float("nan") if calls["n"] == 1 else loss), metrics
 
-    summary = train(cfg, core=dataclasses.replace(default_core("core"), grpo_loss=grpo_loss))
+    bad_core = dataclasses.replace(default_core("core"), grpo_loss=grpo_loss)
+    summary = train(cfg, core=bad_core, skip_preflight=True)
     assert summary["steps"] == 3 and summary["skipped_steps"] == 1
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in rows] == [1, 0, 0]

@@ -13,12 +13,22 @@ def _fail(message: str) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from grpolab.config import ConfigError, load_config
+    from grpolab.preflight import PreflightFailed
     from grpolab.trainer import NonFiniteError, train
 
     try:
         cfg = load_config(args.config, args.overrides)
         core = impl_core(args.impl, cfg.trainer.logprobs) if args.impl else None
-        train(cfg, resume=args.resume, overwrite=args.overwrite, core=core)
+        train(
+            cfg,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            core=core,
+            skip_preflight=args.skip_preflight,
+        )
+    except PreflightFailed as e:
+        _fail(str(e))
+        return 1
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
         return _fail(str(e))
     except NonFiniteError as e:
@@ -40,6 +50,8 @@ def impl_core(path: str, logprobs: str):
     for name, source in impl.source.items():
         if source != "grpolab":
             setattr(fns, name, getattr(impl, name))
+            fns.source[name] = source
+    fns.path = impl.path
     return fns
 
 
@@ -94,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--overwrite", action="store_true", help="replace a previous run in output_dir"
+    )
+    train.add_argument(
+        "--skip-preflight",
+        action="store_true",
+        help="start without the preflight checks (a warning goes to the log and run directory)",
     )
     train.add_argument(
         "--impl",

@@ -298,6 +298,44 @@ def results_json(results: list[CheckResult], impl: CoreImpl) -> str:
     )
 
 
+class PreflightFailed(RuntimeError):
+    """A preflight check failed: training does not start."""
+
+
+SKIP_WARNING = (
+    "preflight skipped (--skip-preflight): the intermediate quantities of this run were not "
+    "checked before training"
+)
+
+
+def preflight_gate(run, output_dir: Path, console: Console, skip: bool = False) -> None:
+    """Run every check on the run's model, core functions and a real batch before step 1;
+    write preflight.json; raise PreflightFailed if one fails. The global RNG state is left as
+    found, so a resumed run stays bit-exact."""
+    if skip:
+        console.print(f"[bold yellow]warning:[/bold yellow] {SKIP_WARNING}")
+        record = {"skipped": True, "warning": SKIP_WARNING}
+        (output_dir / "preflight.json").write_text(json.dumps(record, indent=2) + "\n")
+        return
+    tic = time.perf_counter()
+    device = next(run.model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        results = run_preflight(run.cfg, run.core, run)
+    write_results(results, output_dir / "preflight.json", run.core)
+    failed = [r for r in results if not r.passed]
+    if failed:
+        print_results(results, console, run.core)
+        ids = ", ".join(r.id for r in failed)
+        raise PreflightFailed(
+            f"preflight: {len(failed)} of {len(results)} checks failed ({ids}); training did not "
+            f"start. Details in {output_dir / 'preflight.json'}; --skip-preflight overrides"
+        )
+    console.print(
+        f"preflight: all {len(results)} checks pass ({time.perf_counter() - tic:.1f} s, "
+        f"{output_dir / 'preflight.json'})"
+    )
+
+
 def cmd_preflight(args) -> int:
     """Exit 0 when every check passes, 1 when any fails, 2 on a usage or config error."""
     from grpolab.config import ConfigError, load_config

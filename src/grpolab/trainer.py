@@ -12,14 +12,14 @@ sample prompts_per_step prompts x G  -> rollout (eval mode, no grad)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -35,16 +35,28 @@ from grpolab.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from grpolab.config import Config, objective_fields, to_dict, to_yaml
+from grpolab.checks import CoreImpl
+from grpolab import dist as dist_module
+from grpolab.config import Config, objective_fields, to_dict, to_yaml, validate_world
+from grpolab.dist import Dist
 from grpolab.evaluate import accuracy_rewards, correct, evaluate_accuracy, evaluate_pass_at_k
 from grpolab.models import load_policy
+from grpolab.preflight import preflight_gate
 from grpolab.rewards import Rewards, load_rewards, score
 from grpolab.rollout import build_engine
+from grpolab.rollout.base import Rollout
 from grpolab.tasks import load_task
 from grpolab.tracking import Tracker, progress_bar
 
 DEMO_MODEL_DIR = Path(__file__).parent / "data" / "demo-warmup"
-RUN_FILES = ("config.yaml", "objective.txt", "metrics.jsonl", "completions.jsonl", "summary.json")
+RUN_FILES = (
+    "config.yaml",
+    "objective.txt",
+    "preflight.json",
+    "metrics.jsonl",
+    "completions.jsonl",
+    "summary.json",
+)
 
 
 class NonFiniteError(RuntimeError):
@@ -54,37 +66,15 @@ class NonFiniteError(RuntimeError):
 # --- The core functions the loop calls (a learner's own implementation may replace them) ------
 
 
-@dataclass
-class CoreFns:
-    sequence_logprobs: Callable
-    group_advantages: Callable
-    policy_loss: Callable
-    kl_k3: Callable
-    aggregate: Callable
-    grpo_loss: Callable
-
-    @classmethod
-    def from_module(cls, module: ModuleType, fallback: CoreFns | None = None) -> CoreFns:
-        """The module's functions of these names; missing ones come from `fallback`."""
-        fns = {}
-        for f in fields(cls):
-            fn = getattr(module, f.name, None)
-            if fn is None and fallback is not None:
-                fn = getattr(fallback, f.name)
-            if fn is None:
-                raise ValueError(f"{module.__name__} defines no {f.name}")
-            fns[f.name] = fn
-        return cls(**fns)
+# The six core functions the loop calls, and where each came from (grpolab or a user's file).
+CoreFns = CoreImpl
 
 
 def default_core(logprobs_impl: str = "fused") -> CoreFns:
     """grpolab.core, with the memory-efficient grpolab.logprobs for the log-probs."""
-    fns = CoreFns.from_module(core_module)
+    fns = CoreImpl()
     if logprobs_impl != "core":
-        try:
-            from grpolab.logprobs import token_logprobs
-        except ImportError:  # pragma: no cover - the fused path is optional
-            return fns
+        from grpolab.logprobs import token_logprobs
 
         def sequence_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0):
             return token_logprobs(
@@ -92,6 +82,7 @@ def default_core(logprobs_impl: str = "fused") -> CoreFns:
             )
 
         fns.sequence_logprobs = sequence_logprobs
+        fns.source["sequence_logprobs"] = f"grpolab.logprobs ({logprobs_impl})"
     return fns
 
 
@@ -113,15 +104,26 @@ def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
     return f
 
 
-def loss_scale(mode: str, micro_mask: torch.Tensor, unit_mask: torch.Tensor) -> float:
+def unit_count(mode: str, unit_mask: torch.Tensor) -> float:
+    """The loss normaliser's count for one optimizer-step unit: tokens for "token", sequences
+    otherwise (constant's B * max_len shares its max_len with every micro-batch)."""
+    mode = core_module.LOSS_TYPE_ALIASES.get(mode, mode)
+    return float(unit_mask.sum()) if mode == "token" else float(unit_mask.shape[0])
+
+
+def loss_scale(
+    mode: str, micro_mask: torch.Tensor, unit_mask: torch.Tensor, unit_total: float | None = None
+) -> float:
     """Factor turning a micro-batch's `aggregate` loss into its share of the loss of the whole
     optimizer-step unit, so accumulated gradients equal the one-pass gradient exactly:
     sequence -> b_micro / b_unit; token -> tokens_micro / tokens_unit (aggregate clamps the
-    count at 1); constant -> b_micro / b_unit (same max_completion_length)."""
+    count at 1); constant -> b_micro / b_unit (same max_completion_length). `unit_total` is the
+    unit's count over all ranks (`unit_count` all-reduced); None: this process's unit alone."""
     mode = core_module.LOSS_TYPE_ALIASES.get(mode, mode)
+    total = unit_count(mode, unit_mask) if unit_total is None else unit_total
     if mode == "token":
-        return float(micro_mask.sum().clamp(min=1)) / float(unit_mask.sum().clamp(min=1))
-    return micro_mask.shape[0] / unit_mask.shape[0]
+        return float(micro_mask.sum().clamp(min=1)) / max(total, 1.0)
+    return micro_mask.shape[0] / total
 
 
 def is_on_policy(cfg: Config) -> bool:
@@ -185,6 +187,7 @@ class Run:
     device: torch.device
     skipped_steps: int = 0
     consecutive_nonfinite: int = 0
+    dist: Dist = Dist()
 
 
 def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -196,10 +199,17 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
     # 1. Rollout: eval mode, no grad, a per-step seed (a resumed run samples the same).
     tic = time.perf_counter()
-    examples = run.task.sample(t.prompts_per_step, run.data_gen)
-    rollout = run.engine.generate(
-        [e.prompt for e in examples], G, cfg.rollout.sampling(seed=cfg.seed * 1_000_003 + step)
-    )
+    # Every rank draws the same global prompts and keeps its slice of whole groups.
+    d = run.dist
+    drawn = run.task.sample(t.prompts_per_step, run.data_gen)
+    examples = drawn[dist_module.rank_slice(len(drawn), d)]
+    seed = cfg.seed * 1_000_003 + step
+    if d.on and t.rollout_split == "replicated":
+        rollout = run.engine.generate([e.prompt for e in drawn], G, cfg.rollout.sampling(seed))
+        rollout = slice_rollout(rollout, dist_module.rank_slice(rollout.batch_size, d))
+    else:
+        seed += 7_654_321 * d.rank  # rank 0 samples what a single process samples
+        rollout = run.engine.generate([e.prompt for e in examples], G, cfg.rollout.sampling(seed))
     timings["time/rollout"] = time.perf_counter() - tic
 
     # 2. Rewards and group advantages.
@@ -208,7 +218,10 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     rewards = scores.total  # [B]
     per_sample = [e for e in examples for _ in range(G)]
     is_correct = correct(rollout.completions, per_sample, run.accuracy)  # [B] bool
-    advantages = C.group_advantages(rewards, G, scale=t.scale_rewards, eps=t.advantage_eps)  # [B]
+    # Advantages over the global batch ("batch" scaling needs every rank's rewards).
+    all_rewards = dist_module.all_gather_cat(rewards, d)  # [B_global]
+    advantages = C.group_advantages(all_rewards, G, scale=t.scale_rewards, eps=t.advantage_eps)
+    advantages = advantages[dist_module.rank_slice(len(advantages), d)]  # [B]
     timings["time/score"] = time.perf_counter() - tic
 
     dev = run.device
@@ -217,7 +230,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     completion_mask = rollout.completion_mask.to(dev)  # [B, T]
     advantages = advantages.to(dev)
     B = input_ids.shape[0]
-    mini = t.mini_batch_size or B
+    mini = t.mini_batch_size // d.world if t.mini_batch_size else B  # this rank's share
     micro = mini // t.gradient_accumulation_steps
     on_policy = is_on_policy(cfg)
 
@@ -246,7 +259,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     sums: dict[str, float] = {}
     weight_total = 0.0
     norms, unit_losses, skipped, nonfinite_what = [], [], 0, None
-    perm_gen = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
+    perm_gen = torch.Generator().manual_seed(cfg.seed * 7_919 + step + 104_729 * d.rank)
     for _epoch in range(t.num_iterations):
         order = torch.randperm(B, generator=perm_gen) if mini < B else torch.arange(B)
         for start in range(0, B, mini):
@@ -254,6 +267,9 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
             unit_mask = completion_mask[unit, 1:]  # [mini, T-1]
             run.optimizer.zero_grad(set_to_none=True)
             unit_loss, bad = 0.0, None
+            # The normaliser is global: the same count on every rank, so the ranks' summed
+            # gradients are the single-process gradient of the global unit.
+            unit_total = dist_module.all_sum(unit_count(t.loss_type, unit_mask), d)
             for m_start in range(0, mini, micro):
                 idx = unit[m_start : m_start + micro]
                 logp, mask = C.sequence_logprobs(
@@ -278,17 +294,24 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
                     {"logp_old": given_old, "logp_ref": ref, "logp_new": logp.detach()}, mask
                 )
                 bad = bad or first_nonfinite({"loss": loss.detach()})
-                share = loss * loss_scale(t.loss_type, mask, unit_mask)
+                share = loss * loss_scale(t.loss_type, mask, unit_mask, unit_total)
                 share.backward()
                 unit_loss += float(share.detach())
                 w = float(mask.sum())
                 weight_total += w
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * w
-            norm = grad_norm(params)
+            if d.on and d.mode == "ddp":
+                dist_module.sum_gradients(params)
+            norm = dist_module.grad_norm(params, d) if d.on else grad_norm(params)
             bad = bad or first_nonfinite({"gradient": norm})
+            if d.on and dist_module.any_rank(bad is not None, d):
+                bad = bad or "a non-finite value on another rank"
             if bad is None and t.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+                if d.on:
+                    dist_module.clip_gradients(params, norm, t.max_grad_norm)
+                else:
+                    torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
             if bad is not None:
                 # The non-finite guard: nothing reaches the weights or the optimizer moments.
                 run.optimizer.zero_grad(set_to_none=True)
@@ -298,11 +321,14 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
                 run.optimizer.step()
                 run.scheduler.step()  # the schedule counts applied updates
                 norms.append(float(norm))
-            unit_losses.append(unit_loss)
+            unit_losses.append(dist_module.all_sum(unit_loss, d) if d.on else unit_loss)
     run.engine.sync_weights(model)  # a separate engine (vLLM) samples the next step from these
     timings["time/update"] = time.perf_counter() - tic
 
-    # 5. Metrics.
+    # 5. Metrics (over all ranks: token-weighted sums added, the rest averaged).
+    if d.on:
+        weight_total = dist_module.all_sum(weight_total, d)
+        sums = {k: dist_module.all_sum(v, d) for k, v in sorted(sums.items())}
     metrics: dict[str, Any] = {
         **scores.metrics,  # reward/mean|std, rewards/<fn>/mean, frac_reward_zero_std, lengths
         "accuracy": float(is_correct.float().mean()),
@@ -315,6 +341,9 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     }
     metrics["time/step"] = sum(timings.values())
     metrics["tokens_per_s"] = float(attention_mask.sum()) / max(metrics["time/step"], 1e-9)
+    if d.on:
+        metrics = dist_module.mean_metrics(metrics, d)
+        metrics["tokens_per_s"] *= d.world
     batch = {
         "step": step,
         "what": nonfinite_what,
@@ -330,6 +359,21 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         "answers": [e.answer for e in examples for _ in range(G)],
     }
     return metrics, batch
+
+
+def slice_rollout(r: Rollout, rows: slice) -> Rollout:
+    """The rows `rows` of a rollout (whole groups), every per-sample field cut alike."""
+    return dataclasses.replace(
+        r,
+        input_ids=r.input_ids[rows],
+        attention_mask=r.attention_mask[rows],
+        completion_mask=r.completion_mask[rows],
+        group_ids=r.group_ids[rows] - r.group_ids[rows][0],
+        prompts=r.prompts[rows],
+        completions=r.completions[rows],
+        truncated=r.truncated[rows],
+        engine_logprobs=None if r.engine_logprobs is None else r.engine_logprobs[rows],
+    )
 
 
 @torch.no_grad()
@@ -440,8 +484,12 @@ def train(
     overwrite: bool = False,
     core: CoreFns | None = None,
     console: Console | None = None,
+    skip_preflight: bool = False,
 ) -> dict[str, Any]:
-    """Run GRPO as configured; returns the summary (also written to summary.json)."""
+    """Run GRPO as configured; returns the summary (also written to summary.json).
+
+    The preflight checks run first, on this model and a real batch, and training refuses to
+    start if one fails (PreflightFailed) unless `skip_preflight`."""
     console = console or Console()
     t = cfg.trainer
     wall_start = time.time()
@@ -492,6 +540,7 @@ def train(
     (output_dir / "objective.txt").write_text(card + "\n")
     console.print("[bold]Resolved config[/bold]\n" + to_yaml(cfg))
     console.print(card)
+    preflight_gate(run, output_dir, console, skip=skip_preflight)
     tracker = Tracker(output_dir, t.report_to, to_dict(cfg), console, resume_step=start_step)
 
     def evaluate(label: str) -> float | None:

@@ -1,0 +1,49 @@
+"""The preflight gate: `grpolab train` checks every quantity first and refuses to start on a
+failure, unless --skip-preflight (which leaves a warning in the log and the run directory)."""
+
+import json
+from pathlib import Path
+
+from grpolab.cli import main
+
+MUTANTS = Path(__file__).parent / "mutants"
+TINY = [
+    "max_steps=1",
+    "trainer.prompts_per_step=2",
+    "trainer.num_generations=4",
+    "rollout.max_completion_length=6",
+    "trainer.eval_examples=20",
+]
+
+
+def test_train_runs_the_preflight_first(tmp_path, capsys):
+    out = tmp_path / "ok"
+    assert main(["train", f"output_dir={out}", *TINY]) == 0
+    report = json.loads((out / "preflight.json").read_text())
+    assert report["passed"] is True
+    assert {c["id"] for c in report["checks"]} >= {"clip.asymmetric", "logprobs.fused_vs_naive"}
+    assert "preflight: all" in capsys.readouterr().out
+
+
+def test_a_failing_check_refuses_to_start(tmp_path, capsys):
+    out = tmp_path / "bad"
+    code = main(["train", "--impl", str(MUTANTS / "eps_swapped.py"), f"output_dir={out}", *TINY])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "clip.asymmetric" in err and "--skip-preflight" in err
+    report = json.loads((out / "preflight.json").read_text())
+    failed = {c["id"] for c in report["checks"] if not c["passed"]}
+    assert "clip.asymmetric" in failed
+    assert not (out / "metrics.jsonl").exists()  # not a single step ran
+    assert not list(out.glob("checkpoint-*"))
+
+
+def test_skip_preflight_trains_with_a_warning(tmp_path, capsys):
+    out = tmp_path / "skipped"
+    impl = str(MUTANTS / "eps_swapped.py")
+    code = main(["train", "--impl", impl, "--skip-preflight", f"output_dir={out}", *TINY])
+    assert code == 0
+    assert "preflight skipped" in capsys.readouterr().out
+    record = json.loads((out / "preflight.json").read_text())
+    assert record["skipped"] is True and "not checked" in record["warning"]
+    assert (out / "summary.json").exists()
