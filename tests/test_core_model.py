@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from layout import rollout_layout
 
 from grpolab import core
 from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
@@ -18,21 +19,7 @@ def model(request, tokenizer):
 
 
 def _batch(tokenizer, prompts, completions):
-    """Left-padded prompts, then completions + EOS, right-padded: the rollout layout."""
-    enc = tokenizer(prompts, padding=True, return_tensors="pt")
-    P = enc.input_ids.shape[1]
-    comp = [[*tokenizer(c).input_ids, tokenizer.eos_token_id] for c in completions]
-    C = max(map(len, comp))
-    B = len(prompts)
-    input_ids = torch.full((B, P + C), tokenizer.pad_token_id)
-    attention_mask = torch.zeros(B, P + C, dtype=torch.long)
-    completion_mask = torch.zeros(B, P + C, dtype=torch.long)
-    input_ids[:, :P], attention_mask[:, :P] = enc.input_ids, enc.attention_mask
-    for i, ids in enumerate(comp):
-        input_ids[i, P : P + len(ids)] = torch.tensor(ids)
-        attention_mask[i, P : P + len(ids)] = 1
-        completion_mask[i, P : P + len(ids)] = 1
-    return input_ids, attention_mask, completion_mask
+    return rollout_layout(tokenizer, prompts, completions)[0]
 
 
 PROMPTS = ["37+48=", "5+5=", "123+456="]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layout import rollout_layout
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM
 
 from grpolab import core
@@ -231,21 +232,7 @@ def model(request, tokenizer):
 
 
 def _batch(tokenizer, prompts, completions):
-    """Left-padded prompts, then completions + EOS, right-padded: the rollout layout."""
-    enc = tokenizer(prompts, padding=True, return_tensors="pt")
-    P = enc.input_ids.shape[1]
-    comp = [[*tokenizer(c).input_ids, tokenizer.eos_token_id] for c in completions]
-    C = max(map(len, comp))
-    B = len(prompts)
-    input_ids = torch.full((B, P + C), tokenizer.pad_token_id)
-    attention_mask = torch.zeros(B, P + C, dtype=torch.long)
-    completion_mask = torch.zeros(B, P + C, dtype=torch.long)
-    input_ids[:, :P], attention_mask[:, :P] = enc.input_ids, enc.attention_mask
-    for i, ids in enumerate(comp):
-        input_ids[i, P : P + len(ids)] = torch.tensor(ids)
-        attention_mask[i, P : P + len(ids)] = 1
-        completion_mask[i, P : P + len(ids)] = 1
-    return (input_ids, attention_mask, completion_mask), P
+    return rollout_layout(tokenizer, prompts, completions)
 
 
 PROMPTS = ["37+48=", "5+5=", "123+456=", "9*9="]
