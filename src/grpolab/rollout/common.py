@@ -134,23 +134,31 @@ def assemble_rollout(
     P = max(len(p) for p in prompt_ids)
     C = max(len(c) for c in cut_ids)
     T = P + C
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(B, T, dtype=torch.long)
-    completion_mask = torch.zeros(B, T, dtype=torch.long)
-    engine_logprobs = torch.zeros(B, T - 1) if completion_logprobs is not None else None
-    texts = []
-    for i, comp in enumerate(cut_ids):
-        prompt = prompt_ids[i // G]
-        n = len(comp)
-        input_ids[i, P - len(prompt) : P] = torch.tensor(prompt, dtype=torch.long)
-        input_ids[i, P : P + n] = torch.tensor(comp, dtype=torch.long)
-        attention_mask[i, P - len(prompt) : P + n] = 1
-        completion_mask[i, P : P + n] = 1
-        if engine_logprobs is not None:
-            # entry t is the log-prob of input_ids[:, t+1]: completion token j sits at P + j.
-            engine_logprobs[i, P - 1 : P - 1 + n] = torch.tensor(cut_logps[i], dtype=torch.float32)
-        text_ids = comp if truncated[i] else comp[:-1]  # the stop token is not text
-        texts.append(tokenizer.decode(text_ids, skip_special_tokens=True))
+    # One tensor per field from padded lists, masks from lengths: no per-sample tensor ops.
+    prompt_len = torch.tensor([len(p) for p in prompt_ids]).repeat_interleave(G)[:, None]  # [B,1]
+    comp_len = torch.tensor([len(c) for c in cut_ids])[:, None]  # [B, 1]
+    padded_prompts = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in prompt_ids])
+    input_ids = torch.cat(
+        [
+            padded_prompts.repeat_interleave(G, dim=0),
+            torch.tensor([c + [pad_id] * (C - len(c)) for c in cut_ids], dtype=torch.long),
+        ],
+        dim=1,
+    )  # [B, T]
+    cols = torch.arange(T)[None, :]
+    completion_end = P + comp_len
+    attention_mask = ((cols >= P - prompt_len) & (cols < completion_end)).long()
+    completion_mask = ((cols >= P) & (cols < completion_end)).long()
+    engine_logprobs = None
+    if completion_logprobs is not None:
+        # entry t is the log-prob of input_ids[:, t+1]: completion token j sits at P + j.
+        engine_logprobs = torch.zeros(B, T - 1)
+        engine_logprobs[:, P - 1 :] = torch.tensor(
+            [lp + [0.0] * (C - len(lp)) for lp in cut_logps], dtype=torch.float32
+        )
+    # the stop token is not text
+    text_ids = [c if cut else c[:-1] for c, cut in zip(cut_ids, truncated, strict=True)]
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in text_ids]
     return Rollout(
         input_ids=input_ids,
         attention_mask=attention_mask,
