@@ -417,20 +417,21 @@ def run_worker(kind: str, s: Settings, seed: int) -> WorkerResult:
         return WorkerResult(**json.loads(Path(f.name).read_text()))
 
 
-def median_after_first(values: list[float]) -> float:
-    return statistics.median(values[1:] if len(values) > 1 else values)
+def pooled_median(results: list[WorkerResult], name: str) -> float:
+    """Median over every seed's steps after its first (the first holds one-off warm-up)."""
+    values = [v for r in results for v in getattr(r, name)[1:]]
+    return statistics.median(values)
 
 
 def summarize(results: list[WorkerResult]) -> dict[str, float]:
-    timed = results[0]  # timing from the first seed's process only (same work for all)
-    step = median_after_first(timed.step_times)
+    step = pooled_median(results, "step_times")
     return {
         "step_s": step,
-        "generation_s": median_after_first(timed.generation),
-        "logprobs_s": median_after_first(timed.logprobs),
-        "update_s": median_after_first(timed.update),
+        "generation_s": pooled_median(results, "generation"),
+        "logprobs_s": pooled_median(results, "logprobs"),
+        "update_s": pooled_median(results, "update"),
         "peak_rss_mb": max(r.peak_rss_mb for r in results),
-        "tokens_per_s": statistics.median(timed.tokens) / step,
+        "tokens_per_s": pooled_median(results, "tokens") / step,
         "final_reward": statistics.mean(statistics.mean(r.rewards[-3:]) for r in results),
     }
 
