@@ -473,7 +473,10 @@ def main(argv: list[str] | None = None) -> int:
             results[kind].append(run_worker(kind, s, seed))
     ours, theirs = summarize(results["grpolab"]), summarize(results["trl"])
 
-    print(f"time: median step after the first (seed {args.seeds[0]}); peak RSS: max over seeds")
+    print(
+        "time: median over every seed's steps after the first; peak RSS: max over seeds; "
+        "reward: mean of the last 3 steps, mean over seeds"
+    )
     header = f"{'':<14}{'step s':>9}{'gen s':>9}{'logp s':>9}{'update s':>10}{'RSS MB':>9}"
     header += f"{'tok/s':>9}{'reward':>9}"
     print(header)
