@@ -74,6 +74,12 @@ class TrainerConfig:
     num_threads: int | None = None  # torch CPU threads; None = torch's default
     report_to: list[str] = field(default_factory=list)  # tensorboard | wandb | trackio
     progress: bool = True  # progress bar with ETA
+    # Under torchrun: ddp (a replica per rank, gradients summed) | fsdp (FSDP2 fully_shard).
+    distributed: str = "ddp"
+    # local: each rank samples only its prompts' groups | replicated: every rank samples the
+    # whole global batch and keeps its groups (W x the rollout cost; the batch is exactly the
+    # 1-process batch, for verifying a multi-rank setup against one process).
+    rollout_split: str = "local"
 
 
 @dataclass
@@ -311,6 +317,15 @@ def validate(cfg: Config) -> None:
             sink,
             "one of tensorboard, wandb, trackio",
         )
+    _need(
+        t.distributed in ("ddp", "fsdp"), "trainer.distributed", t.distributed, "one of ddp, fsdp"
+    )
+    _need(
+        t.rollout_split in ("local", "replicated"),
+        "trainer.rollout_split",
+        t.rollout_split,
+        "one of local, replicated",
+    )
     r = cfg.rollout
     _need(r.engine in ENGINES, "rollout.engine", r.engine, f"one of {list(ENGINES)}")
     # Training samples at temperature > 0 (0 is greedy: no spread within a group).
@@ -320,6 +335,25 @@ def validate(cfg: Config) -> None:
 
 
 # --- Output -----------------------------------------------------------------------------------
+
+
+def validate_world(cfg: Config, world: int) -> None:
+    """Data parallel over `world` ranks: whole groups per rank, equal shares everywhere."""
+    t = cfg.trainer
+    _need(
+        t.prompts_per_step % world == 0,
+        "trainer.prompts_per_step",
+        t.prompts_per_step,
+        f"a multiple of the world size {world} (each rank takes whole groups)",
+    )
+    mini = t.mini_batch_size or cfg.batch_size
+    _need(
+        mini % world == 0 and (mini // world) % t.gradient_accumulation_steps == 0,
+        "trainer.mini_batch_size",
+        t.mini_batch_size,
+        f"a multiple of world size {world} x gradient_accumulation_steps "
+        f"{t.gradient_accumulation_steps}",
+    )
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -374,6 +374,8 @@ def split_model(model: torch.nn.Module) -> Split:
         return Split(
             None, None, "DistributedDataParallel wrapper: calling its body skips the gradient sync"
         )
+    if type(model).__name__.startswith("FSDP"):  # FSDP2 fully_shard renames the class
+        return Split(None, None, "FSDP2-sharded root: the lm-head weight is a shard")
     name = type(model).__name__
     config = getattr(model, "config", None)
     for attr in LOGIT_TRANSFORMS:

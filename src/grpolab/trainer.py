@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import transformers
 from rich.console import Console
 
 from grpolab import core as core_module
+from grpolab import dist as dist_module
 from grpolab.checkpoint import (
     check_same_model,
     latest_checkpoint,
@@ -36,7 +38,6 @@ from grpolab.checkpoint import (
     set_rng_state,
 )
 from grpolab.checks import CoreImpl
-from grpolab import dist as dist_module
 from grpolab.config import Config, objective_fields, to_dict, to_yaml, validate_world
 from grpolab.dist import Dist
 from grpolab.evaluate import accuracy_rewards, correct, evaluate_accuracy, evaluate_pass_at_k
@@ -187,7 +188,7 @@ class Run:
     device: torch.device
     skipped_steps: int = 0
     consecutive_nonfinite: int = 0
-    dist: Dist = Dist()
+    dist: Dist = dataclasses.field(default_factory=Dist)
 
 
 def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -295,7 +296,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
                 )
                 bad = bad or first_nonfinite({"loss": loss.detach()})
                 share = loss * loss_scale(t.loss_type, mask, unit_mask, unit_total)
-                share.backward()
+                (share * dist_module.loss_multiplier(d)).backward()
                 unit_loss += float(share.detach())
                 w = float(mask.sum())
                 weight_total += w
@@ -436,12 +437,23 @@ def make_run(
     tokenizer,
     device: torch.device | None = None,
     core: CoreFns | None = None,
+    dist: Dist | None = None,
 ) -> Run:
-    """Task, rewards, engine, reference copy, optimizer and LR schedule around `model`."""
+    """Task, rewards, engine, reference copy, optimizer and LR schedule around `model`;
+    under data parallel the model is sharded (fsdp) or made equal on every rank (ddp) first."""
     t = cfg.trainer
+    d = dist or Dist()
+    if d.on:
+        validate_world(cfg, d.world)
     ref_model = None
     if t.beta > 0:  # a frozen copy of the starting weights
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if d.on and d.mode == "fsdp":
+        model = dist_module.shard(model)
+        if ref_model is not None:
+            ref_model = dist_module.shard(ref_model)
+    elif d.on:
+        dist_module.broadcast_parameters(model)
     steps_per_batch = t.num_iterations * (cfg.batch_size // (t.mini_batch_size or cfg.batch_size))
     optimizer = torch.optim.AdamW(
         model.parameters(),
@@ -475,6 +487,7 @@ def make_run(
         data_gen=torch.Generator().manual_seed(cfg.seed),
         core=core or default_core(t.logprobs),
         device=device or next(model.parameters()).device,
+        dist=d,
     )
 
 
@@ -496,10 +509,19 @@ def train(
     transformers.utils.logging.disable_progress_bar()
     if t.num_threads:
         torch.set_num_threads(t.num_threads)
-    device = resolve_device(cfg.model.device)
+    device = dist_module.local_device(resolve_device(cfg.model.device))
+    # Under torchrun: one process per rank; only rank 0 writes the run directory (the others
+    # write their logs to a scratch directory), and every rank runs the same loop.
+    d = dist_module.init(t.distributed, device)
+    if not d.main:
+        console = Console(quiet=True)
     cfg.output_dir = cfg.output_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))
-    output_dir = Path(cfg.output_dir)
-    prepare_output_dir(output_dir, bool(resume), overwrite)
+    if d.on:  # every rank names rank 0's directory ({time} may differ between processes)
+        cfg.output_dir = dist_module.all_gather_objects(cfg.output_dir, d)[0]
+    output_dir = run_dir = Path(cfg.output_dir)
+    if d.main:
+        prepare_output_dir(output_dir, bool(resume), overwrite)
+    dist_module.barrier(d)
 
     resume_dir: Path | None = None
     if resume:
@@ -511,14 +533,25 @@ def train(
 
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_start_model(cfg, device)
-    run = make_run(cfg, model, tokenizer, device, core)
+    run = make_run(cfg, model, tokenizer, device, core, d)
     start_step, state = 0, {}
     if resume_dir is not None:
         check_same_model(model, resume_dir)
         saved, _, extra, state = load_checkpoint(resume_dir, cfg.model.dtype, str(device))
-        model.load_state_dict(saved.state_dict())
+        if dist_module.is_sharded(model):
+            dist_module.load_full_model_state(model, saved.state_dict())
+        else:
+            model.load_state_dict(saved.state_dict())
         del saved
-        run.optimizer.load_state_dict(extra["optimizer"])
+        if dist_module.is_named_optimizer_state(extra["optimizer"]):  # saved by a multi-rank run
+            dist_module.load_full_optimizer_state(model, run.optimizer, extra["optimizer"])
+        elif dist_module.is_sharded(model):
+            raise ValueError(
+                f"--resume {str(resume_dir)!r}: a single-process checkpoint resumes under "
+                "trainer.distributed=ddp, not fsdp"
+            )
+        else:
+            run.optimizer.load_state_dict(extra["optimizer"])
         run.scheduler.load_state_dict(extra["scheduler"])
         run.data_gen.set_state(extra["data_generator"])
         set_rng_state(extra["rng"])
@@ -529,6 +562,8 @@ def train(
         console.print(f"resuming from {resume_dir} at step {start_step}")
     optimizer, scheduler, data_gen, task = run.optimizer, run.scheduler, run.data_gen, run.task
     engine, accuracy = run.engine, run.accuracy
+    if not d.main:
+        output_dir = Path(tempfile.mkdtemp(prefix=f"grpolab-rank{d.rank}-"))
 
     card = core_module.objective_card(objective_fields(cfg))
     if is_on_policy(cfg):
@@ -565,8 +600,15 @@ def train(
     history = state.get("eval_history", [])
 
     def save(step: int) -> Path:
+        # Multi-rank: whole tensors keyed by name (collectives on every rank), so the
+        # checkpoint loads at any world size; rank 0 writes it.
+        weights = dist_module.full_state_dict(model) if dist_module.is_sharded(model) else None
         extra = {
-            "optimizer": optimizer.state_dict(),
+            "optimizer": (
+                dist_module.full_optimizer_state(model, optimizer)
+                if d.on
+                else optimizer.state_dict()
+            ),
             "scheduler": scheduler.state_dict(),
             "data_generator": data_gen.get_state(),
             "rng": rng_state(),
@@ -578,7 +620,12 @@ def train(
             "eval_history": history,
             "wall_seconds": prior_wall + time.time() - wall_start,
         }
-        return save_checkpoint(output_dir, step, model, tokenizer, extra, info, t.save_total_limit)
+        path = run_dir / f"checkpoint-{step}"
+        if d.main:
+            plain = model if weights is None else unsharded_copy(model, weights)
+            path = save_checkpoint(run_dir, step, plain, tokenizer, extra, info, t.save_total_limit)
+        dist_module.barrier(d)
+        return path
 
     step = start_step
     with progress_bar(console, t.progress) as bar:
@@ -648,6 +695,8 @@ def train(
         "eval_examples": min(t.eval_examples, len(task.eval)),
     }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if d.on:
+        dist_module.shutdown()
     if accuracy_before is not None and accuracy_after is not None:
         console.print(
             f"[bold]held-out accuracy: {accuracy_before:.1f}% before GRPO -> "
@@ -656,6 +705,14 @@ def train(
             f"{summary['wall_seconds']:.0f} s; run directory {output_dir}"
         )
     return summary
+
+
+def unsharded_copy(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain transformers model holding `weights` (a sharded model's full state dict)."""
+    plain = transformers.AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
+    plain.load_state_dict(weights)
+    plain.generation_config = model.generation_config
+    return plain
 
 
 def sample_rows(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:

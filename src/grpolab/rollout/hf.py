@@ -137,6 +137,8 @@ class HFEngine:
                     attention_mask=attention_mask.repeat_interleave(G, dim=0).to(device),
                     generation_config=generation_config,
                     logits_processor=LogitsProcessorList([recorder]),
+                    # FSDP2: every rank runs the same number of forwards (collectives inside).
+                    synced_gpus=type(self.model).__name__.startswith("FSDP"),
                 )
         finally:
             self.model.generation_config = saved_config

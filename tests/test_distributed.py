@@ -1,0 +1,138 @@
+"""Data parallel on CPU: real `torchrun --nproc_per_node 2` processes (gloo), DDP and FSDP2.
+
+One launch per mode (~15 s each) runs tests/dist_worker.py: a GRPO step per aggregation
+mode with the global batch split over 2 ranks x 2 micro-batches, then a 2-step demo run
+with a checkpoint per step. Here, one process redoes the same on the whole batch in one
+pass; parameters must agree to fp32 tolerance, and the 2-rank checkpoint must resume on
+1 rank."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpolab.checkpoint import load_checkpoint
+from grpolab.config import ConfigError, load_config, validate_world
+from grpolab.trainer import grpo_step, load_start_model, make_run, train
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dist_worker import MODES, demo_overrides, full_grads, split_config
+
+WORKER = Path(__file__).parent / "dist_worker.py"
+# fp32: the ranks' reduction order differs from one pass. Adam's first step divides by
+# sqrt(v) ~ |g|, which blows up rounding of near-zero gradients: parameters get a looser bound.
+PARAM_ATOL = 1e-5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(mode: str, out: Path) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(WORKER),
+        mode,
+        str(out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(out / "split.pt", weights_only=False)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    model, *_ = load_checkpoint(path)
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The single-process references: one pass per aggregation mode, and the demo run."""
+    out = tmp_path_factory.mktemp("one")
+    torch.set_num_threads(1)
+    split = {}
+    for loss_type in MODES:
+        cfg = split_config("ddp", loss_type, out / "unused", accumulation=1)
+        model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        run = make_run(cfg, model, tokenizer)
+        metrics, _ = grpo_step(run, 1)
+        split[loss_type] = {
+            "params": model.state_dict(),
+            "grads": full_grads(model),
+            "grad_norm": metrics["grad_norm"],
+            "loss": metrics["loss"],
+            "start": start,
+        }
+    train(load_config(None, demo_overrides(out / "demo", "ddp")), skip_preflight=True)
+    return out, split
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_equal_one_process(tmp_path, one_process, mode):
+    one_dir, one = one_process
+    two = launch(mode, tmp_path)
+    for loss_type in MODES:
+        got, want = two[loss_type], one[loss_type]
+        assert got["rows"] == 8  # each rank held half of the 16 sequences
+        moved = max_diff(want["params"], want["start"])
+        diff = max_diff(got["params"], want["params"])
+        print(f"{mode} {loss_type}: max |param diff| {diff:.2e} (step moved them {moved:.2e})")
+        assert moved > 1e-4  # the step did something the comparison can see
+        grad_diff = max_diff(got["grads"], want["grads"])
+        print(f"{mode} {loss_type}: max |grad diff| {grad_diff:.2e}")
+        # The gradient (after clipping by the global norm) is the one-process gradient: a
+        # per-rank normaliser or a mean instead of a sum would be off by a factor of 2 here.
+        for name, g in got["grads"].items():
+            torch.testing.assert_close(g, want["grads"][name], rtol=1e-4, atol=1e-7, msg=name)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        assert diff < PARAM_ATOL, f"{mode} {loss_type}: 2 ranks differ from 1 process by {diff:.2e}"
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
+
+    # The 2-rank demo run ends where the 1-process run ends.
+    two_final = weights(tmp_path / "demo" / "checkpoint-2")
+    diff = max_diff(two_final, weights(one_dir / "demo" / "checkpoint-2"))
+    print(f"{mode} demo, 2 steps: max |param diff| {diff:.2e}")
+    assert diff < 1e-5
+
+    # Its step-1 checkpoint resumes on one process and reaches the same step-2 weights.
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "demo" / "checkpoint-1", resumed / "checkpoint-1")
+    cfg = load_config(None, demo_overrides(resumed, "ddp"))
+    train(cfg, resume=True, skip_preflight=True)
+    diff = max_diff(weights(resumed / "checkpoint-2"), two_final)
+    print(f"{mode} 2-rank checkpoint resumed on 1 rank: max |param diff| {diff:.2e}")
+    assert diff < 1e-5
+
+
+def test_world_size_must_divide_the_groups():
+    cfg = load_config(None, ["trainer.prompts_per_step=3", "trainer.num_generations=4"])
+    with pytest.raises(ConfigError, match=r"trainer.prompts_per_step=3: .*world size 2"):
+        validate_world(cfg, 2)
+    cfg = load_config(None, ["trainer.prompts_per_step=4", "trainer.mini_batch_size=2"])
+    with pytest.raises(ConfigError, match=r"trainer.mini_batch_size=2: .*world size 4"):
+        validate_world(cfg, 4)
