@@ -1,0 +1,259 @@
+"""One part of bench/gpu_check.sh: a Qwen2.5-0.5B-shaped model with random weights (no
+download), timed on one CUDA device. Each part writes a JSON file into OUT_DIR and prints a
+markdown table; a part whose component is missing says so and writes {"skipped": reason}.
+
+    python bench/gpu_check.py rollout-hf OUT_DIR     # transformers generate: dynamic / static
+    python bench/gpu_check.py rollout-vllm OUT_DIR   # vLLM, prompt token ids in, ids out
+    python bench/gpu_check.py train OUT_DIR          # GRPO step time split and peak memory
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B), random weights.
+QWEN05 = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+)
+PROMPTS, PROMPT_LEN, GROUP, NEW_TOKENS = 16, 128, 8, 256  # 128 sequences per rollout
+# GPU_CHECK_SMOKE=1: the same code on CPU at a tiny shape, to check the script without a GPU.
+SMOKE = os.environ.get("GPU_CHECK_SMOKE") == "1"
+DEVICE = "cpu" if SMOKE else "cuda"
+if SMOKE:
+    QWEN05.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    QWEN05.update(num_attention_heads=2, num_key_value_heads=1)
+    PROMPTS, PROMPT_LEN, GROUP, NEW_TOKENS = 2, 8, 2, 8
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        sync()
+
+
+def reset_peak() -> None:
+    if DEVICE == "cuda":
+        reset_peak()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan")
+
+
+def build_model(dtype: torch.dtype, device: str = DEVICE):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**QWEN05)
+    return Qwen2ForCausalLM(config).to(device=device, dtype=dtype).eval()
+
+
+def prompt_ids(device: str = DEVICE) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    high = QWEN05["vocab_size"] // 5
+    return torch.randint(10, high, (PROMPTS, PROMPT_LEN), generator=g).to(device)
+
+
+def write(out: Path, name: str, rows: list[dict]) -> None:
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if not rows:
+        return
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(k)) for k in keys) + " |")
+    table = "\n".join(lines)
+    (out / f"{name}.md").write_text(table + "\n")
+    print(table, flush=True)
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def rollout_hf(out: Path) -> None:
+    """transformers generate on 16 prompts x 8 samples x 256 new tokens, bf16: the default
+    dynamic cache, then the static cache with the compiled decode step."""
+    model = build_model(torch.bfloat16)
+    ids = prompt_ids().repeat_interleave(GROUP, dim=0)  # [128, 128]
+    mask = torch.ones_like(ids)
+    rows = []
+    for label, kwargs in (
+        ("hf dynamic cache", {}),
+        ("hf static cache + torch.compile", {"cache_implementation": "static"}),
+    ):
+        try:
+            if kwargs and SMOKE:  # compiling on a small CPU takes minutes
+                continue
+            if kwargs:
+                model.forward = torch.compile(model.forward, mode="reduce-overhead")
+            for _attempt in ("warm-up", "timed"):
+                sync()
+                reset_peak()
+                tic = time.perf_counter()
+                seqs = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=NEW_TOKENS,
+                    min_new_tokens=NEW_TOKENS,  # random weights: no early EOS, fixed work
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    pad_token_id=0,
+                    **kwargs,
+                )
+                sync()
+                seconds = time.perf_counter() - tic
+            new = (seqs.shape[1] - PROMPT_LEN) * seqs.shape[0]
+            rows.append(
+                {
+                    "engine": label,
+                    "sequences": seqs.shape[0],
+                    "new_tokens": new,
+                    "seconds": seconds,
+                    "tokens_per_s": new / seconds,
+                    "peak_gib": peak_gib(),
+                }
+            )
+        except Exception as e:  # a fast path this transformers/torch pair lacks
+            rows.append({"engine": label, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(f"{label}: failed: {e}", flush=True)
+    write(out, "rollout_hf", rows)
+
+
+def rollout_vllm(out: Path) -> None:
+    try:
+        from vllm import LLM, SamplingParams
+    except Exception as e:
+        (out / "rollout_vllm.json").write_text(json.dumps({"skipped": f"no vllm: {e}"}) + "\n")
+        print(f"vLLM not available ({type(e).__name__}: {e}): skipped", flush=True)
+        return
+    model = build_model(torch.bfloat16, device="cpu")
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d, safe_serialization=True)
+        del model
+        llm = LLM(
+            model=d,
+            skip_tokenizer_init=True,  # random weights, no tokenizer: token ids in and out
+            dtype="bfloat16",
+            max_model_len=PROMPT_LEN + NEW_TOKENS + 8,
+            gpu_memory_utilization=0.5,
+            seed=0,
+        )
+        params = SamplingParams(
+            n=GROUP,
+            max_tokens=NEW_TOKENS,
+            min_tokens=NEW_TOKENS,
+            temperature=1.0,
+            logprobs=0,
+            seed=0,
+            detokenize=False,
+        )
+        prompts = [{"prompt_token_ids": p.tolist()} for p in prompt_ids("cpu")]
+        llm.generate(prompts[:2], params)  # warm-up
+        tic = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - tic
+    new = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    rows = [
+        {
+            "engine": "vllm",
+            "sequences": sum(len(o.outputs) for o in outs),
+            "new_tokens": new,
+            "seconds": seconds,
+            "tokens_per_s": new / seconds,
+        }
+    ]
+    write(out, "rollout_vllm", rows)
+
+
+def train(out: Path) -> None:
+    """A few GRPO optimizer steps on 64 sequences of 128 prompt + 256 completion tokens:
+    fp32 master weights under bf16 autocast, and bf16 weights; gradient checkpointing off/on.
+    Time split: log-prob forward, backward, optimizer step."""
+    from grpolab import core
+    from grpolab.logprobs import token_logprobs
+
+    B, T, P = (4 if SMOKE else 64), PROMPT_LEN + NEW_TOKENS, PROMPT_LEN
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(10, QWEN05["vocab_size"] // 5, (B, T), generator=g).to(DEVICE)
+    attention_mask = torch.ones_like(input_ids)
+    completion_mask = torch.zeros_like(input_ids)
+    completion_mask[:, P:] = 1
+    advantages = torch.randn(B, generator=g).to(DEVICE)
+    rows = []
+    for weights, autocast, ckpt in (
+        (torch.float32, True, False),
+        (torch.float32, True, True),
+        (torch.bfloat16, False, False),
+    ):
+        label = f"{'fp32 master + bf16 autocast' if autocast else 'bf16 weights'}" + (
+            ", grad checkpointing" if ckpt else ""
+        )
+        try:
+            model = build_model(weights).train()
+            if ckpt:
+                model.gradient_checkpointing_enable()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            sync()
+            reset_peak()
+            times = {"forward_s": [], "backward_s": [], "optimizer_s": []}
+            for step in range(4):  # the first is warm-up
+                tic = time.perf_counter()
+                with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+                    logp, mask = token_logprobs(model, input_ids, attention_mask, completion_mask)
+                    loss, _ = core.grpo_loss(logp, logp.detach(), None, advantages, mask)
+                sync()
+                t1 = time.perf_counter()
+                loss.backward()
+                sync()
+                t2 = time.perf_counter()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                sync()
+                t3 = time.perf_counter()
+                if step:
+                    times["forward_s"].append(t1 - tic)
+                    times["backward_s"].append(t2 - t1)
+                    times["optimizer_s"].append(t3 - t2)
+            row = {"setup": label, "sequences": B, "tokens": B * T}
+            row.update({k: sum(v) / len(v) for k, v in times.items()})
+            row["step_s"] = row["forward_s"] + row["backward_s"] + row["optimizer_s"]
+            row["peak_gib"] = peak_gib()
+            rows.append(row)
+            del model, opt
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as e:
+            rows.append({"setup": label, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(f"{label}: failed: {e}", flush=True)
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    write(out, "train", rows)
+
+
+PARTS = {"rollout-hf": rollout_hf, "rollout-vllm": rollout_vllm, "train": train}
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] not in PARTS:
+        sys.exit(f"usage: gpu_check.py {{{','.join(PARTS)}}} OUT_DIR")
+    if not SMOKE and not torch.cuda.is_available():
+        sys.exit("gpu_check.py: no CUDA device visible")
+    out_dir = Path(sys.argv[2])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    PARTS[sys.argv[1]](out_dir)
