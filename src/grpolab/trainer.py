@@ -575,7 +575,13 @@ def train(
     (output_dir / "objective.txt").write_text(card + "\n")
     console.print("[bold]Resolved config[/bold]\n" + to_yaml(cfg))
     console.print(card)
-    preflight_gate(run, output_dir, console, skip=skip_preflight)
+    sharded = dist_module.is_sharded(model)
+    if sharded and not skip_preflight:  # its probes deep-copy the model, which FSDP2 refuses
+        console.print(
+            "preflight: not run under trainer.distributed=fsdp; `grpolab preflight` with this "
+            "config checks the same quantities on one process"
+        )
+    preflight_gate(run, output_dir, console, skip=skip_preflight or sharded)
     tracker = Tracker(output_dir, t.report_to, to_dict(cfg), console, resume_step=start_step)
 
     def evaluate(label: str) -> float | None:
