@@ -122,3 +122,23 @@ def test_vllm_follows_weight_sync(trained):
         model, old.input_ids, old.attention_mask, old.completion_mask
     )
     assert (old.engine_logprobs - logp * mask).abs().max() > 1e-2
+
+
+def test_vllm_sync_is_verified_and_a_corrupted_weight_is_caught(trained):
+    """The canary check after a sync: a faithful sync passes with a tiny gap; a sync that
+    delivers one wrong tensor (as a LoRA-merge or shard-gather bug would) raises, naming it."""
+    from grpolab.rollout.vllm import WeightSyncError
+
+    model, engine, _ = trained
+    assert engine.sync_tolerance == 1e-3  # float32
+    engine.sync_weights(model)
+    assert engine.last_sync_gap is not None and engine.last_sync_gap < 1e-4
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    name = "model.layers.1.mlp.down_proj.weight"
+    state[name] = state[name] * 1.5  # the engine gets a corrupted copy; the trainer does not
+    engine.load_weights(state)
+    with pytest.raises(WeightSyncError, match=r"differ from the trainer's by up to [0-9.e-]+ "):
+        engine.check_sync(model)
+    assert engine.last_sync_gap > 1e-3
+    engine.sync_weights(model)  # a faithful sync afterwards passes again
+    assert engine.last_sync_gap < 1e-4

@@ -69,6 +69,9 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float = 0.3
     vllm_max_model_len: int | None = None  # None: the model's context length
     vllm_enforce_eager: bool = False  # CPU always runs eager
+    # After every weight sync a canary sequence's log-probs from engine and trainer are
+    # compared; a larger max gap is an error. None: 1e-3 in float32, 0.1 in 16-bit; 0: off.
+    vllm_sync_tolerance: float | None = None
 
     def sampling(self, seed: int) -> SamplingParams:
         """The SamplingParams of one rollout call; pass a different seed each step."""

