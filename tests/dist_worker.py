@@ -76,6 +76,17 @@ def main() -> None:
             "loss": metrics["loss"],
             "rows": batch["input_ids"].shape[0],
         }
+    # rollout_split=local: each rank samples its own groups; the replicas stay equal.
+    cfg = split_config(mode, "token", out / "unused", accumulation=1)
+    cfg.trainer.rollout_split = "local"
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    run = make_run(cfg, model, tokenizer, dist=d)
+    _, batch = grpo_step(run, 1)
+    local = {k: v.float().sum().item() for k, v in run.model.state_dict().items()}
+    if mode == "ddp":  # fsdp holds shards; its sums differ by design
+        results["local_params_per_rank"] = dist_module.all_gather_objects(local, d)
+    results["local_prompts_per_rank"] = dist_module.all_gather_objects(batch["prompts"], d)
+
     cfg = load_config(None, demo_overrides(out / "demo", mode))
     train(cfg, skip_preflight=True)
     if d.main:

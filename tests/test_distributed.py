@@ -112,6 +112,13 @@ def test_two_ranks_equal_one_process(tmp_path, one_process, mode):
         assert diff < PARAM_ATOL, f"{mode} {loss_type}: 2 ranks differ from 1 process by {diff:.2e}"
         assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
 
+    # rollout_split=local: the ranks sampled different prompts; ddp replicas stay identical.
+    first, second = two["local_prompts_per_rank"]
+    assert len(first) == len(second) == 8 and set(first).isdisjoint(second)
+    if mode == "ddp":
+        a, b = two["local_params_per_rank"]
+        assert a == b
+
     # The 2-rank demo run ends where the 1-process run ends.
     two_final = weights(tmp_path / "demo" / "checkpoint-2")
     diff = max_diff(two_final, weights(one_dir / "demo" / "checkpoint-2"))

@@ -341,6 +341,9 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         **timings,
     }
     metrics["time/step"] = sum(timings.values())
+    sync_gap = getattr(run.engine, "last_sync_gap", None)  # vLLM: the verified sync's canary gap
+    if sync_gap is not None:
+        metrics["engine/sync_gap"] = sync_gap
     metrics["tokens_per_s"] = float(attention_mask.sum()) / max(metrics["time/step"], 1e-9)
     if d.on:
         metrics = dist_module.mean_metrics(metrics, d)
