@@ -80,6 +80,8 @@ class TrainerConfig:
     # whole global batch and keeps its groups (W x the rollout cost; the batch is exactly the
     # 1-process batch, for verifying a multi-rank setup against one process).
     rollout_split: str = "local"
+    # Recompute each decoder layer's activations in backward: less memory, ~30% more compute.
+    gradient_checkpointing: bool = False
 
 
 @dataclass

@@ -451,6 +451,8 @@ def make_run(
     ref_model = None
     if t.beta > 0:  # a frozen copy of the starting weights
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if t.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if d.on and d.mode == "fsdp":
         model = dist_module.shard(model)
         if ref_model is not None:
