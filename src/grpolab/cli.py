@@ -14,7 +14,7 @@ def _fail(message: str) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from grpolab.config import ConfigError, load_config
     from grpolab.preflight import PreflightFailed
-    from grpolab.trainer import NonFiniteError, train
+    from grpolab.trainer import MonitorStop, NonFiniteError, train
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -34,6 +34,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except NonFiniteError as e:
         _fail(str(e))
         return 3
+    except MonitorStop as e:
+        _fail(str(e))
+        return 4
     return 0
 
 

@@ -71,6 +71,10 @@ class TrainerConfig:
     log_completions_steps: int = 25  # sample completions to completions.jsonl; 0 = never
     log_completions_count: int = 4
     max_consecutive_nonfinite: int = 3  # stop after this many skipped steps in a row
+    # Runtime monitors (grpolab.monitors): warn (default), stop (checkpoint, then exit) or off.
+    monitor: str = "warn"
+    monitor_clip_frac_max: float = 0.3
+    monitor_zero_std_max: float = 0.95
     num_threads: int | None = None  # torch CPU threads; None = torch's default
     report_to: list[str] = field(default_factory=list)  # tensorboard | wandb | trackio
     progress: bool = True  # progress bar with ETA
@@ -312,6 +316,10 @@ def validate(cfg: Config) -> None:
         t.max_consecutive_nonfinite,
         "an integer >= 1",
     )
+    _need(t.monitor in ("warn", "stop", "off"), "trainer.monitor", t.monitor, "warn, stop or off")
+    for key in ("monitor_clip_frac_max", "monitor_zero_std_max"):
+        value = getattr(t, key)
+        _need(0 <= value <= 1, f"trainer.{key}", value, "a fraction in [0, 1]")
     for i, sink in enumerate(t.report_to):
         _need(
             sink in ("tensorboard", "wandb", "trackio"),

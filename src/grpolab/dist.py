@@ -108,6 +108,16 @@ def mean_metrics(metrics: dict[str, float], d: Dist) -> dict[str, float]:
     return out
 
 
+def max_metrics(metrics: dict[str, float], d: Dist) -> dict[str, float]:
+    """Each metric's maximum over ranks (for worst-case quantities such as |ratio - 1|)."""
+    if not d.on or not metrics:
+        return metrics
+    keys = sorted(metrics)
+    t = _on_comm_device(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, t.tolist(), strict=True))
+
+
 def sum_gradients(params: list[torch.nn.Parameter]) -> None:
     """`ddp`: every rank's gradients replaced by their sum over ranks, one flat all-reduce."""
     grads = [p.grad for p in params if p.grad is not None]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import transformers
 from rich.console import Console
+from rich.markup import escape
 
 from grpolab import core as core_module
 from grpolab import dist as dist_module
@@ -42,6 +43,7 @@ from grpolab.config import Config, objective_fields, to_dict, to_yaml, validate_
 from grpolab.dist import Dist
 from grpolab.evaluate import accuracy_rewards, correct, evaluate_accuracy, evaluate_pass_at_k
 from grpolab.models import load_policy
+from grpolab.monitors import check_step, limits_for
 from grpolab.preflight import preflight_gate
 from grpolab.rewards import Rewards, load_rewards, score
 from grpolab.rollout import build_engine
@@ -58,6 +60,10 @@ RUN_FILES = (
     "completions.jsonl",
     "summary.json",
 )
+
+
+class MonitorStop(RuntimeError):
+    """A monitored quantity left its normal range and trainer.monitor is "stop"."""
 
 
 class NonFiniteError(RuntimeError):
@@ -222,6 +228,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     # Advantages over the global batch ("batch" scaling needs every rank's rewards).
     all_rewards = dist_module.all_gather_cat(rewards, d)  # [B_global]
     advantages = C.group_advantages(all_rewards, G, scale=t.scale_rewards, eps=t.advantage_eps)
+    adv_group_sum = float(advantages.view(-1, G).sum(dim=1).abs().max())  # monitored: ~0
     advantages = advantages[dist_module.rank_slice(len(advantages), d)]  # [B]
     timings["time/score"] = time.perf_counter() - tic
 
@@ -261,7 +268,9 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     weight_total = 0.0
     norms, unit_losses, skipped, nonfinite_what = [], [], 0, None
     perm_gen = torch.Generator().manual_seed(cfg.seed * 7_919 + step + 104_729 * d.rank)
-    for _epoch in range(t.num_iterations):
+    engine_logprobs = None if rollout.engine_logprobs is None else rollout.engine_logprobs.to(dev)
+    ratio_dev, engine_gap = 0.0, None  # measured before this step's first update
+    for epoch in range(t.num_iterations):
         order = torch.randperm(B, generator=perm_gen) if mini < B else torch.arange(B)
         for start in range(0, B, mini):
             unit = order[start : start + mini]
@@ -278,6 +287,13 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
                 )  # [b, T-1]
                 old = logp.detach() if logp_old is None else logp_old[idx]
                 ref = None if logp_ref is None else logp_ref[idx]
+                if epoch == 0 and start == 0:  # the policy that sampled, not yet updated
+                    ratio_dev = max(
+                        ratio_dev, masked_max_abs(torch.exp(logp.detach() - old) - 1, mask)
+                    )
+                    if engine_logprobs is not None:
+                        gap = masked_max_abs(engine_logprobs[idx] - logp.detach(), mask)
+                        engine_gap = max(engine_gap or 0.0, gap)
                 loss, m = C.grpo_loss(
                     logp,
                     old,
@@ -338,6 +354,9 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         "grad_norm": sum(norms) / len(norms) if norms else float("nan"),
         "lr": run.scheduler.get_last_lr()[0],
         "skipped": skipped,
+        "monitor/ratio_dev": ratio_dev,
+        "monitor/adv_group_sum": adv_group_sum,
+        **({} if engine_gap is None else {"monitor/engine_gap": engine_gap}),
         **timings,
     }
     metrics["time/step"] = sum(timings.values())
@@ -346,7 +365,8 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         metrics["engine/sync_gap"] = sync_gap
     metrics["tokens_per_s"] = float(attention_mask.sum()) / max(metrics["time/step"], 1e-9)
     if d.on:
-        metrics = dist_module.mean_metrics(metrics, d)
+        worst = {k: v for k, v in metrics.items() if k.startswith("monitor/")}  # max, not mean
+        metrics = dist_module.mean_metrics(metrics, d) | dist_module.max_metrics(worst, d)
         metrics["tokens_per_s"] *= d.world
     batch = {
         "step": step,
@@ -363,6 +383,12 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         "answers": [e.answer for e in examples for _ in range(G)],
     }
     return metrics, batch
+
+
+def masked_max_abs(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """max |values| over the positions where mask is set (0 when none is)."""
+    picked = values[mask.bool()]
+    return float(picked.abs().max()) if picked.numel() else 0.0
 
 
 def slice_rollout(r: Rollout, rows: slice) -> Rollout:
@@ -638,6 +664,8 @@ def train(
         dist_module.barrier(d)
         return path
 
+    limits = limits_for(t, cfg.model.dtype)
+    scheme_a = t.logprob_source == "trainer"
     step = start_step
     with progress_bar(console, t.progress) as bar:
         task_id = bar.add_task("grpo", total=cfg.max_steps, completed=start_step, info="")
@@ -649,6 +677,15 @@ def train(
             else:
                 run.consecutive_nonfinite = 0
             metrics["skipped_steps"] = run.skipped_steps
+            warnings = (
+                []
+                if t.monitor == "off"
+                else check_step(step, metrics | {"nonfinite": batch["what"]}, limits, scheme_a)
+            )
+            if warnings:
+                metrics["warnings"] = warnings
+                for w in warnings:
+                    bar.console.print(f"[yellow]monitor:[/yellow] {escape(w)}")
             if t.eval_steps and step % t.eval_steps == 0 and step < cfg.max_steps:
                 metrics["eval_accuracy"] = evaluate(f"at step {step}")
                 history.append([step, metrics["eval_accuracy"]])
@@ -660,6 +697,13 @@ def train(
             bar.update(task_id, completed=step, info=f"reward {metrics['reward/mean']:.3f}")
             if step == start_step + 1 or step % 10 == 0 or metrics["skipped"]:
                 bar.console.print(line)
+            if warnings and t.monitor == "stop":
+                path = save(step)
+                tracker.close()
+                raise MonitorStop(
+                    f"stopped at step {step} (trainer.monitor=stop): {warnings[0]}; "
+                    f"checkpoint {path}"
+                )
             if run.consecutive_nonfinite >= t.max_consecutive_nonfinite:
                 path = save(step)
                 capsule = output_dir / "nonfinite-capsule.pt"

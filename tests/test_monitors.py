@@ -1,0 +1,120 @@
+"""The runtime monitors: each quantity out of its range gives a warning naming it and the step."""
+
+import json
+
+import pytest
+
+from grpolab.checkpoint import latest_checkpoint
+from grpolab.config import load_config
+from grpolab.models import load_policy, save_policy
+from grpolab.monitors import MonitorLimits, check_step
+from grpolab.preflight import PreflightFailed
+from grpolab.trainer import DEMO_MODEL_DIR, MonitorStop, train
+
+HEALTHY = {
+    "skipped": 0,
+    "monitor/ratio_dev": 0.0,
+    "kl": 0.01,
+    "monitor/adv_group_sum": 3e-7,
+    "monitor/engine_gap": 2e-6,
+    "clip_frac": 0.02,
+    "frac_reward_zero_std": 0.3,
+}
+
+
+def test_a_healthy_step_gives_no_warning():
+    assert check_step(7, HEALTHY, MonitorLimits(), scheme_a=True) == []
+
+
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("skipped", 1, "non-finite"),
+        ("monitor/ratio_dev", 0.05, "ratio - 1"),
+        ("kl", -0.2, "kl"),
+        ("monitor/adv_group_sum", 0.8, "group sum"),
+        ("monitor/engine_gap", 0.4, "engine logp"),
+        ("clip_frac", 0.6, "clip_frac"),
+        ("frac_reward_zero_std", 1.0, "frac_reward_zero_std"),
+    ],
+)
+def test_each_quantity_out_of_range_is_named_with_its_step(key, value, named):
+    warnings = check_step(12, HEALTHY | {key: value}, MonitorLimits(), scheme_a=True)
+    assert len(warnings) == 1
+    assert warnings[0].startswith("step 12:") and named in warnings[0]
+
+
+def test_ratio_is_watched_only_for_scheme_a():
+    # Scheme B's logp_old comes from the engine: its gap is watched instead.
+    bad_ratio = HEALTHY | {"monitor/ratio_dev": 0.05}
+    assert check_step(3, bad_ratio, MonitorLimits(), scheme_a=False) == []
+
+
+def test_missing_or_nan_quantities_are_not_warnings():
+    assert check_step(1, {"kl": float("nan")}, MonitorLimits(), scheme_a=True) == []
+
+
+# --- In the trainer -----------------------------------------------------------------------------
+
+TINY = [
+    "trainer.prompts_per_step=4",
+    "trainer.num_generations=4",
+    "rollout.max_completion_length=6",
+    "trainer.eval_examples=0",
+]
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_trainer_records_the_monitored_quantities(tmp_path):
+    cfg = load_config(None, [f"output_dir={tmp_path / 'ok'}", "max_steps=2", *TINY])
+    train(cfg, skip_preflight=True)
+    rows = _rows(tmp_path / "ok")
+    for row in rows:
+        assert row["monitor/ratio_dev"] <= 1e-6  # scheme A: exactly the sampling policy
+        assert row["monitor/adv_group_sum"] <= 1e-5
+        assert row["monitor/engine_gap"] <= 1e-4  # the HF engine's own log-probs
+        assert "warnings" not in row
+
+
+def test_warn_names_the_quantity_and_training_goes_on(tmp_path):
+    # Any group without reward variance is "out of range" with this limit.
+    cfg = load_config(
+        None,
+        [f"output_dir={tmp_path / 'warn'}", "max_steps=2", "trainer.monitor_zero_std_max=0", *TINY],
+    )
+    summary = train(cfg, skip_preflight=True)
+    assert summary["steps"] == 2
+    warned = [w for row in _rows(tmp_path / "warn") for w in row.get("warnings", [])]
+    assert warned and all("frac_reward_zero_std" in w for w in warned)
+    assert warned[0].startswith("step 1:")
+
+
+def test_stop_saves_a_checkpoint_and_stops(tmp_path):
+    out = tmp_path / "stop"
+    overrides = [f"output_dir={out}", "max_steps=3", "trainer.monitor=stop", *TINY]
+    cfg = load_config(None, [*overrides, "trainer.monitor_zero_std_max=0"])
+    with pytest.raises(MonitorStop, match=r"step 1.*frac_reward_zero_std"):
+        train(cfg, skip_preflight=True)
+    assert latest_checkpoint(out).name == "checkpoint-1"
+
+
+def test_dropout_breaks_the_first_ratio_and_both_guards_see_it(tmp_path):
+    # A policy with dropout: the extra forward for logp_old and the loss forward see different
+    # masks, so the ratio is not 1 before the first update. The preflight refuses to start;
+    # past it (--skip-preflight) the monitor names the ratio.
+    model, tokenizer = load_policy(DEMO_MODEL_DIR)
+    model.config.attention_dropout = 0.5
+    save_policy(model, tokenizer, tmp_path / "dropout-model")
+    base = [f"model.name_or_path={tmp_path / 'dropout-model'}", "max_steps=1", *TINY]
+    base.append("trainer.mini_batch_size=8")  # two optimizer steps: logp_old by a forward
+    cfg = load_config(None, [f"output_dir={tmp_path / 'gated'}", *base])
+    with pytest.raises(PreflightFailed, match=r"ratio\.initial"):
+        train(cfg)
+    cfg = load_config(None, [f"output_dir={tmp_path / 'monitored'}", *base])
+    train(cfg, skip_preflight=True)
+    (row,) = _rows(tmp_path / "monitored")
+    assert row["monitor/ratio_dev"] > 1e-2
+    assert any("ratio - 1" in w for w in row["warnings"])
