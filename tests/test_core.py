@@ -389,3 +389,32 @@ def test_errors_name_the_values(call, message):
     with pytest.raises(ValueError) as err:
         call()
     assert message in str(err.value)
+
+
+# --- truncated importance sampling ------------------------------------------------------------
+
+
+def test_tis_weights_hand_values():
+    # pi_trainer / pi_engine = exp(0.5), exp(-0.5), exp(2) -> 1.6487, 0.6065, capped at 2;
+    # the masked position is 1.
+    trainer = torch.tensor([[0.5, -0.5, 2.0, 7.0]])
+    engine = torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w = core.tis_weights(trainer, engine, mask, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[1.648721, 0.606531, 2.0, 1.0]]))
+
+
+def test_grpo_loss_token_weights_scale_the_policy_term_only():
+    # Ratio 1, A = +1 -> policy term -1 per token; weights 0.5 and 2 -> -0.5 and -2;
+    # sequence mean -1.25. The KL term (beta 0.1, d = log 2) is not weighted: + 0.1 * 0.30685.
+    logp = torch.zeros(1, 2)
+    ref = torch.full((1, 2), math.log(2))
+    weights = torch.tensor([[0.5, 2.0]])
+    mask, adv = torch.ones(1, 2), torch.ones(1)
+    loss, _ = core.grpo_loss(logp, logp, ref, adv, mask, beta=0.1, token_weights=weights)
+    assert loss.item() == pytest.approx(-1.25 + 0.1 * (1 - math.log(2)), abs=1e-6)
+    plain, _ = core.grpo_loss(logp, logp, ref, adv, mask, beta=0.1)
+    same, _ = core.grpo_loss(logp, logp, ref, adv, mask, beta=0.1, token_weights=torch.ones(1, 2))
+    assert same.item() == plain.item()
+    with pytest.raises(ValueError, match=r"token_weights \(1, 3\)"):
+        core.grpo_loss(logp, logp, ref, adv, mask, beta=0.1, token_weights=torch.ones(1, 3))

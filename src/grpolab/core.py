@@ -208,18 +208,29 @@ def grpo_loss(
     beta: float = 0.0,
     loss_agg: str = "sequence",
     max_completion_length: int | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate + beta * k3 KL per token, aggregated by `loss_agg`.
 
     logp_new, logp_old, logp_ref, mask: [B, T]; advantages: [B]. Returns (loss scalar,
     metrics). Every token statistic in the metrics is a mean over masked tokens only.
+    token_weights [B, T] (optional, no gradient) multiply the policy term per token: the
+    truncated importance weights that correct for an engine sampling from slightly other
+    numerics than the trainer's (see `tis_weights`).
     """
     _check_loss_inputs(logp_new, logp_old, logp_ref, advantages, mask)
+    if token_weights is not None and token_weights.shape != logp_new.shape:
+        raise ValueError(
+            f"token_weights {tuple(token_weights.shape)} must match logp_new "
+            f"{tuple(logp_new.shape)}"
+        )
     if beta < 0:
         raise ValueError(f"beta must be >= 0, got {beta}")
     if beta > 0 and logp_ref is None:
         raise ValueError(f"beta={beta} > 0 needs logp_ref (reference log-probs), got None")
     per_token, clip_frac = policy_loss(logp_new, logp_old, advantages, mask, eps_low, eps_high)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach()
     kl = None
     if logp_ref is not None:
         valid, zeros = mask.bool(), torch.zeros_like(logp_new)
@@ -245,6 +256,22 @@ def grpo_loss(
             "ratio_mean": masked_mean(ratio, mask).item(),
         }
     return loss, metrics
+
+
+def tis_weights(
+    logp_trainer: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance weights min(pi_trainer / pi_engine, cap) per token: [B, T].
+
+    The engine sampled from pi_engine; the loss is built on the trainer's pi_trainer. Their
+    ratio reweights each sampled token to the trainer's distribution; the cap bounds the
+    variance. 1 at masked positions.
+    """
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    _check_same_shape(logp_trainer=logp_trainer, logp_engine=logp_engine, mask=mask)
+    log_w = torch.where(mask.bool(), logp_trainer - logp_engine, torch.zeros_like(logp_trainer))
+    return torch.exp(log_w).clamp(max=cap)
 
 
 # --- The objective card -----------------------------------------------------------------------
