@@ -1,9 +1,11 @@
 """Checkpoints: Hugging Face weights + optimizer, scheduler, RNG and data position, written
 atomically (temporary directory, then rename), so a crash never leaves a half checkpoint
-as the latest one."""
+as the latest one. A LoRA (peft) policy is saved merged, so transformers and vLLM load the
+checkpoint as a plain model, with its adapter in adapter/ for resuming."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -20,6 +22,7 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 COMPLETE = "COMPLETE"  # written last, inside the temporary directory, before the rename
 TRAINER_STATE = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
+ADAPTER_DIR = "adapter"  # a LoRA run's adapter weights and config (peft's layout)
 
 
 def rng_state() -> dict[str, Any]:
@@ -45,15 +48,20 @@ def save_checkpoint(
     state: dict[str, Any],
     save_total_limit: int | None = None,
 ) -> Path:
-    """Write checkpoint-{step}: weights (safetensors) + tokenizer + `extra` (optimizer,
-    scheduler, RNG and data states, torch-saved) + `state` (JSON). Returns its path."""
+    """Write checkpoint-{step}: weights (safetensors; LoRA: merged, plus adapter/) + tokenizer
+    + `extra` (optimizer, scheduler, RNG and data states, torch-saved) + `state` (JSON).
+    Returns its path."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f".tmp-checkpoint-{step}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    save_policy(model, tokenizer, tmp)
+    if hasattr(model, "merge_and_unload"):  # peft: merge on a copy, the policy keeps training
+        save_policy(copy.deepcopy(model).merge_and_unload(), tokenizer, tmp)
+        model.save_pretrained(tmp / ADAPTER_DIR, safe_serialization=True)
+    else:
+        save_policy(model, tokenizer, tmp)
     torch.save(extra, tmp / TRAINER_STATE)
     (tmp / STATE_JSON).write_text(json.dumps({"step": step, **state}, indent=2))
     _write_synced(tmp / COMPLETE, str(step))

@@ -86,6 +86,14 @@ class TrainerConfig:
     rollout_split: str = "local"
     # Recompute each decoder layer's activations in backward: less memory, ~30% more compute.
     gradient_checkpointing: bool = False
+    # LoRA (needs the `lora` extra, peft): lora_r > 0 trains low-rank adapters on
+    # lora_target_modules and freezes the base weights; 0 = full fine-tuning.
+    lora_r: int = 0
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
 
 
 @dataclass
@@ -336,6 +344,17 @@ def validate(cfg: Config) -> None:
         t.rollout_split,
         "one of local, replicated",
     )
+    _need(t.lora_r >= 0, "trainer.lora_r", t.lora_r, "an integer >= 0 (0 = full fine-tuning)")
+    _need(0 <= t.lora_dropout < 1, "trainer.lora_dropout", t.lora_dropout, "a number in [0, 1)")
+    if t.lora_r > 0:
+        _need(bool(t.lora_target_modules), "trainer.lora_target_modules", [], "module names")
+        # The vLLM weight sync sends the policy's own state dict, not merged LoRA weights.
+        _need(
+            cfg.rollout.engine != "vllm",
+            "rollout.engine",
+            cfg.rollout.engine,
+            "hf when trainer.lora_r > 0 (LoRA with vLLM rollouts is not supported yet)",
+        )
     r = cfg.rollout
     _need(r.engine in ENGINES, "rollout.engine", r.engine, f"one of {list(ENGINES)}")
     # Training samples at temperature > 0 (0 is greedy: no spread within a group).
@@ -350,6 +369,12 @@ def validate(cfg: Config) -> None:
 def validate_world(cfg: Config, world: int) -> None:
     """Data parallel over `world` ranks: whole groups per rank, equal shares everywhere."""
     t = cfg.trainer
+    _need(
+        t.lora_r == 0,
+        "trainer.lora_r",
+        t.lora_r,
+        f"0 under trainer.distributed={t.distributed} (LoRA trains on one process for now)",
+    )
     _need(
         t.prompts_per_step % world == 0,
         "trainer.prompts_per_step",

@@ -3,7 +3,7 @@
 sample prompts_per_step prompts x G  -> rollout (eval mode, no grad)
 -> rewards [B] -> group advantages [B]
 -> logp_old (scheme A: a forward before any update; scheme B: the engine's)
--> logp_ref from a frozen copy when beta > 0
+-> logp_ref from a frozen copy when beta > 0 (LoRA: the policy with its adapters disabled)
 -> num_iterations inner epochs over minibatches (gradient accumulation over micro-batches)
    -> grpo_loss -> backward -> clip grad norm -> AdamW step -> LR schedule
 -> metrics, sample completions, checkpoints
@@ -31,6 +31,7 @@ from rich.markup import escape
 from grpolab import core as core_module
 from grpolab import dist as dist_module
 from grpolab.checkpoint import (
+    ADAPTER_DIR,
     check_same_model,
     latest_checkpoint,
     load_checkpoint,
@@ -255,8 +256,8 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         )
     logp_ref = None  # [B, T-1]
     if t.beta > 0:
-        logp_ref = batched_logprobs(
-            C, run.ref_model, input_ids, attention_mask, completion_mask, micro, temperature
+        logp_ref = reference_logprobs(
+            run, input_ids, attention_mask, completion_mask, micro, temperature
         )
     timings["time/logprobs"] = time.perf_counter() - tic
 
@@ -422,6 +423,58 @@ def batched_logprobs(C, model, input_ids, attention_mask, completion_mask, chunk
     return torch.cat(out)
 
 
+def reference_logprobs(run: Run, input_ids, attention_mask, completion_mask, chunk, temperature):
+    """Log-probs under the reference policy: the frozen copy, or under LoRA the same model with
+    its adapters disabled (the base weights never change): [B, T-1]."""
+    args = (input_ids, attention_mask, completion_mask, chunk, temperature)
+    if run.ref_model is not None:
+        return batched_logprobs(run.core, run.ref_model, *args)
+    with run.model.disable_adapter():
+        return batched_logprobs(run.core, run.model, *args)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """A peft model (checked without importing peft, an optional dependency)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def wrap_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+    """`model` with LoRA adapters on trainer.lora_target_modules; only they are trainable."""
+    t = cfg.trainer
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise ImportError(
+            f"trainer.lora_r={t.lora_r} needs peft: pip install 'grpolab[lora]'"
+        ) from e
+    lora = LoraConfig(
+        r=t.lora_r,
+        lora_alpha=t.lora_alpha,
+        lora_dropout=t.lora_dropout,
+        target_modules=list(t.lora_target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+def load_lora_adapter(model: torch.nn.Module, checkpoint_dir: Path) -> None:
+    """Restore the adapter weights a LoRA checkpoint holds in adapter/."""
+    from peft import load_peft_weights, set_peft_model_state_dict
+
+    adapter = checkpoint_dir / ADAPTER_DIR
+    if not adapter.is_dir():
+        raise ValueError(
+            f"--resume {str(checkpoint_dir)!r}: no {ADAPTER_DIR}/ there (a full fine-tuning "
+            "checkpoint); resume it with trainer.lora_r=0"
+        )
+    result = set_peft_model_state_dict(model, load_peft_weights(str(adapter)))
+    if result.unexpected_keys:
+        raise ValueError(
+            f"--resume {str(checkpoint_dir)!r}: its adapter does not match trainer.lora_* "
+            f"(unexpected {result.unexpected_keys[:3]})"
+        )
+
+
 # --- The run: setup, loop, checkpoints, summary ----------------------------------------------
 
 
@@ -475,7 +528,9 @@ def make_run(
     if d.on:
         validate_world(cfg, d.world)
     ref_model = None
-    if t.beta > 0:  # a frozen copy of the starting weights
+    if t.lora_r > 0:  # the reference is this model with its adapters disabled: no copy
+        model = wrap_lora(model, cfg)
+    elif t.beta > 0:  # a frozen copy of the starting weights
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -487,7 +542,7 @@ def make_run(
         dist_module.broadcast_parameters(model)
     steps_per_batch = t.num_iterations * (cfg.batch_size // (t.mini_batch_size or cfg.batch_size))
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],  # LoRA: the adapters alone
         lr=t.learning_rate,
         betas=(t.adam_beta1, t.adam_beta2),
         weight_decay=t.weight_decay,
@@ -565,11 +620,19 @@ def train(
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_start_model(cfg, device)
     run = make_run(cfg, model, tokenizer, device, core, d)
+    model = run.model  # sharded or LoRA-wrapped
     start_step, state = 0, {}
     if resume_dir is not None:
         check_same_model(model, resume_dir)
         saved, _, extra, state = load_checkpoint(resume_dir, cfg.model.dtype, str(device))
-        if dist_module.is_sharded(model):
+        if is_lora(model):  # the base weights are the start model's; saved holds them merged
+            load_lora_adapter(model, resume_dir)
+        elif (resume_dir / ADAPTER_DIR).is_dir():
+            raise ValueError(
+                f"--resume {str(resume_dir)!r}: a LoRA checkpoint; resume it with the "
+                "trainer.lora_* settings it was trained with"
+            )
+        elif dist_module.is_sharded(model):
             dist_module.load_full_model_state(model, saved.state_dict())
         else:
             model.load_state_dict(saved.state_dict())

@@ -1,0 +1,146 @@
+"""LoRA (peft) on the real demo model: only the adapters train, the reference is the base model,
+the checkpoint is a plain merged model plus the adapter, and resume is bit-exact."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from grpolab import core
+from grpolab.checkpoint import ADAPTER_DIR, latest_checkpoint, save_checkpoint
+from grpolab.config import ConfigError, load_config, validate_world
+from grpolab.models import load_policy
+from grpolab.preflight import run_preflight
+from grpolab.trainer import grpo_step, is_lora, load_start_model, make_run, train
+
+TINY = [
+    "trainer.prompts_per_step=4",
+    "trainer.num_generations=4",
+    "rollout.max_completion_length=6",
+    "trainer.eval_examples=0",
+    "trainer.progress=false",
+    "trainer.lora_r=4",
+    "trainer.beta=0.04",
+]
+
+
+def lora_config(tmp_path, *extra: str, name: str = "run"):
+    return load_config(None, [f"output_dir={tmp_path / name}", "max_steps=2", *TINY, *extra])
+
+
+def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights LoRA must leave untouched (peft's base_layer names included)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" not in k}
+
+
+def test_two_steps_train_only_the_adapters_against_the_base_reference(tmp_path):
+    cfg = lora_config(tmp_path)
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    start = copy.deepcopy(model)
+    run = make_run(cfg, model, tokenizer)
+    assert is_lora(run.model) and run.ref_model is None
+    trainable = {n for n, p in run.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    before_base = base_weights(run.model)
+    trained = [(n, p) for n, p in run.model.named_parameters() if p.requires_grad]
+    before_lora = {n: p.detach().clone() for n, p in trained}
+
+    for step in (1, 2):
+        metrics, batch = grpo_step(run, step)
+        assert metrics["skipped"] == 0
+        for key in ("loss", "grad_norm", "kl"):
+            assert torch.isfinite(torch.tensor(metrics[key])), key
+        # The reference is the starting model: its log-probs, computed on the unwrapped copy.
+        expected, mask = core.sequence_logprobs(
+            start, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+        )
+        gap = (batch["logp_ref"] - expected).abs()[mask.bool()].max()
+        assert gap <= 1e-5, f"step {step}: logp_ref differs from the base model by {gap}"
+
+    after_base = base_weights(run.model)
+    assert after_base.keys() == before_base.keys()
+    for name, value in before_base.items():
+        assert torch.equal(value, after_base[name]), f"base weight {name} changed"
+    params = dict(run.model.named_parameters())
+    moved = [n for n, v in before_lora.items() if not torch.equal(v, params[n])]
+    assert moved, "no adapter parameter changed in two steps"
+
+
+def test_preflight_passes_on_a_lora_model(tmp_path):
+    cfg = lora_config(tmp_path)
+    results = run_preflight(cfg)
+    failed = [r.id for r in results if not r.passed]
+    assert results and not failed, failed
+    fused = [r for r in results if r.id == "logprobs.fused_vs_naive"]
+    assert fused and fused[0].what.startswith("fused:"), fused[0].what  # no naive fallback
+
+
+def test_resume_is_bit_exact_with_lora(tmp_path):
+    extra = ("trainer.num_iterations=2", "trainer.mini_batch_size=8")  # Adam state matters
+    train(lora_config(tmp_path, *extra, name="straight"), skip_preflight=True)
+    train(lora_config(tmp_path, *extra, "max_steps=1", name="resumed"), skip_preflight=True)
+    train(lora_config(tmp_path, *extra, name="resumed"), resume=True, skip_preflight=True)
+
+    a, _ = load_policy(latest_checkpoint(tmp_path / "straight"))
+    b, _ = load_policy(latest_checkpoint(tmp_path / "resumed"))
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name
+
+    def rows(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        timing = ("time/", "tokens_per_s")
+        return [{k: v for k, v in json.loads(r).items() if not k.startswith(timing)} for r in lines]
+
+    straight, resumed = rows("straight"), rows("resumed")
+    assert straight == resumed and len(resumed) == 2
+
+
+def test_the_checkpoint_is_the_merged_policy(tmp_path):
+    cfg = lora_config(tmp_path, "max_steps=1")
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    run = make_run(cfg, model, tokenizer)
+    _, batch = grpo_step(run, 1)
+    path = save_checkpoint(tmp_path / "saved", 1, run.model, tokenizer, {}, {})
+    assert (path / ADAPTER_DIR / "adapter_config.json").is_file()
+    assert is_lora(run.model)  # saving merged a copy, not the training model
+
+    merged, _ = load_policy(path)  # plain transformers, as vLLM would read it
+    assert not is_lora(merged)
+    assert not any("lora_" in k for k in merged.state_dict())
+    args = (batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    with torch.no_grad():
+        ours, mask = core.sequence_logprobs(run.model.eval(), *args)
+        theirs, _ = core.sequence_logprobs(merged, *args)
+    gap = (ours - theirs).abs()[mask.bool()].max()
+    assert gap <= 1e-5, f"merged checkpoint differs from the trained adapter model by {gap}"
+    # and the merge is not a no-op: the base model gives other log-probs
+    with torch.no_grad(), run.model.disable_adapter():
+        base, _ = core.sequence_logprobs(run.model, *args)
+    assert (base - theirs).abs()[mask.bool()].max() > 1e-6
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.lora_r=-1", "trainer.lora_r"),
+        ("trainer.lora_dropout=1.0", "trainer.lora_dropout"),
+        ("trainer.lora_dropout=-0.1", "trainer.lora_dropout"),
+        ("rollout.engine=vllm", "rollout.engine"),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path, override, key):
+    with pytest.raises(ConfigError, match=key) as e:
+        lora_config(tmp_path, override)
+    assert "\n" not in str(e.value)
+
+
+def test_lora_under_torchrun_is_refused(tmp_path):
+    cfg = lora_config(tmp_path, "trainer.distributed=fsdp")
+    with pytest.raises(ConfigError, match=r"trainer\.lora_r.*distributed=fsdp"):
+        validate_world(cfg, 2)
+    validate_world(lora_config(tmp_path, "trainer.lora_r=0"), 2)  # full fine-tuning: allowed
