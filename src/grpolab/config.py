@@ -50,6 +50,10 @@ class TrainerConfig:
     scale_rewards: str = "group"  # group | batch | none
     advantage_eps: float = 1e-4
     logprob_source: str = "trainer"  # trainer (scheme A) | engine (scheme B)
+    # Truncated importance sampling: each token's policy loss times min(pi_trainer /
+    # pi_engine, tis_cap), correcting for the engine's other numerics (TRL:
+    # vllm_importance_sampling_cap). Needs the engine's log-probs; None = off.
+    tis_cap: float | None = None
     logprobs: str = "fused"  # fused | naive (grpolab.logprobs) | core (core.sequence_logprobs)
     # Optimisation: one optimizer step per minibatch; each minibatch is accumulated over
     # gradient_accumulation_steps micro-batches.
@@ -325,6 +329,15 @@ def validate(cfg: Config) -> None:
         "an integer >= 1",
     )
     _need(t.monitor in ("warn", "stop", "off"), "trainer.monitor", t.monitor, "warn, stop or off")
+    if t.tis_cap is not None:
+        _need(t.tis_cap > 0, "trainer.tis_cap", t.tis_cap, "a number > 0 (e.g. 2.0), or null")
+        _need(
+            t.logprob_source == "trainer",
+            "trainer.tis_cap",
+            t.tis_cap,
+            "trainer.logprob_source=trainer: the weights are pi_trainer / pi_engine, so logp_old "
+            "must be the trainer's",
+        )
     for key in ("monitor_clip_frac_max", "monitor_zero_std_max"):
         value = getattr(t, key)
         _need(0 <= value <= 1, f"trainer.{key}", value, "a fraction in [0, 1]")

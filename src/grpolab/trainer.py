@@ -271,6 +271,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     perm_gen = torch.Generator().manual_seed(cfg.seed * 7_919 + step + 104_729 * d.rank)
     engine_logprobs = None if rollout.engine_logprobs is None else rollout.engine_logprobs.to(dev)
     ratio_dev, engine_gap = 0.0, None  # measured before this step's first update
+    tis = {"capped": 0.0, "weight": 0.0, "tokens": 0.0}
     for epoch in range(t.num_iterations):
         order = torch.randperm(B, generator=perm_gen) if mini < B else torch.arange(B)
         for start in range(0, B, mini):
@@ -288,6 +289,17 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
                 )  # [b, T-1]
                 old = logp.detach() if logp_old is None else logp_old[idx]
                 ref = None if logp_ref is None else logp_ref[idx]
+                weights = None  # [b, T-1] truncated importance weights, engine -> trainer
+                if t.tis_cap is not None:
+                    if engine_logprobs is None:
+                        raise ValueError(
+                            "trainer.tis_cap needs the engine's log-probs; this engine returned "
+                            "none (vLLM with top_k / top_p)"
+                        )
+                    weights = core_module.tis_weights(old, engine_logprobs[idx], mask, t.tis_cap)
+                    tis["capped"] += float(((weights >= t.tis_cap) * mask).sum())
+                    tis["weight"] += float((weights * mask).sum())
+                    tis["tokens"] += float(mask.sum())
                 if epoch == 0 and start == 0:  # the policy that sampled, not yet updated
                     ratio_dev = max(
                         ratio_dev, masked_max_abs(torch.exp(logp.detach() - old) - 1, mask)
@@ -306,6 +318,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
                     beta=t.beta,
                     loss_agg=t.loss_type,
                     max_completion_length=cfg.rollout.max_completion_length,
+                    **({} if weights is None else {"token_weights": weights}),
                 )
                 given_old = None if logp_old is None else old  # on-policy: old is logp itself
                 bad = bad or first_nonfinite(
@@ -358,6 +371,14 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         "monitor/ratio_dev": ratio_dev,
         "monitor/adv_group_sum": adv_group_sum,
         **({} if engine_gap is None else {"monitor/engine_gap": engine_gap}),
+        **(
+            {}
+            if t.tis_cap is None
+            else {
+                "tis/weight_mean": tis["weight"] / max(tis["tokens"], 1.0),
+                "tis/capped_frac": tis["capped"] / max(tis["tokens"], 1.0),
+            }
+        ),
         **timings,
     }
     metrics["time/step"] = sum(timings.values())

@@ -1,0 +1,53 @@
+"""Truncated importance sampling in the trainer: an engine sampling from other weights than
+the trainer's is corrected token by token, and the mismatch is reported every step."""
+
+import copy
+
+import pytest
+import torch
+
+from grpolab.config import ConfigError, load_config
+from grpolab.rollout.hf import HFEngine
+from grpolab.trainer import grpo_step, load_start_model, make_run
+
+TINY = [
+    "trainer.prompts_per_step=4",
+    "trainer.num_generations=4",
+    "rollout.max_completion_length=6",
+    "trainer.eval_examples=0",
+]
+
+
+def _run(tmp_path, *overrides):
+    cfg = load_config(None, [f"output_dir={tmp_path}", *TINY, *overrides])
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    return make_run(cfg, model, tokenizer), tokenizer
+
+
+def test_an_engine_on_the_same_weights_gets_weights_of_one(tmp_path):
+    run, _ = _run(tmp_path, "trainer.tis_cap=2.0")
+    metrics, _ = grpo_step(run, 1)
+    assert metrics["tis/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["tis/capped_frac"] == 0.0
+
+
+def test_a_stale_engine_is_reweighted_and_reported(tmp_path):
+    run, tokenizer = _run(tmp_path, "trainer.tis_cap=1.0")
+    stale = copy.deepcopy(run.model)
+    with torch.no_grad():
+        for p in stale.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    run.engine = HFEngine(stale, tokenizer)  # samples from weights the trainer doesn't have
+    metrics, _ = grpo_step(run, 1)
+    # Tokens the trainer finds likelier than the engine did hit the cap of 1; the others
+    # are down-weighted, so the mean weight is below 1.
+    assert 0.05 < metrics["tis/capped_frac"] < 0.95
+    assert metrics["tis/weight_mean"] < 1.0
+    assert metrics["monitor/engine_gap"] > 1e-2  # and the mismatch is reported
+
+
+def test_tis_needs_the_trainers_old_logprobs():
+    with pytest.raises(ConfigError, match=r"trainer\.tis_cap"):
+        load_config(None, ["trainer.tis_cap=2", "trainer.logprob_source=engine"])
+    with pytest.raises(ConfigError, match=r"trainer\.tis_cap"):
+        load_config(None, ["trainer.tis_cap=0"])
