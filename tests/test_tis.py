@@ -2,10 +2,12 @@
 the trainer's is corrected token by token, and the mismatch is reported every step."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
+from grpolab.checks import load_impl
 from grpolab.config import ConfigError, load_config
 from grpolab.rollout.hf import HFEngine
 from grpolab.trainer import grpo_step, load_start_model, make_run
@@ -51,3 +53,12 @@ def test_tis_needs_the_trainers_old_logprobs():
         load_config(None, ["trainer.tis_cap=2", "trainer.logprob_source=engine"])
     with pytest.raises(ConfigError, match=r"trainer\.tis_cap"):
         load_config(None, ["trainer.tis_cap=0"])
+
+
+def test_a_learners_seed_signature_loss_is_refused_with_tis(tmp_path):
+    # A grpo_loss with the seed's signature (no token_weights), as a learner writes it.
+    impl = load_impl(Path(__file__).parent / "mutants" / "sign_flipped.py")
+    cfg = load_config(None, [f"output_dir={tmp_path}", *TINY, "trainer.tis_cap=2"])
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"token_weights; the one from .*sign_flipped\.py"):
+        make_run(cfg, model, tokenizer, core=impl)

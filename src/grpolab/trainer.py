@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import math
 import shutil
@@ -534,6 +535,26 @@ def load_start_model(cfg: Config, device: torch.device):
     return load_policy(source, dtype=cfg.model.dtype, device=device)
 
 
+def wide_console() -> Console:
+    """A console that does not wrap the per-step lines at 80 columns in a log or a pipe."""
+    console = Console()
+    if not console.is_terminal:
+        console.width = 160
+    return console
+
+
+def check_core_supports(core: CoreFns, cfg: Config) -> None:
+    """Options that need more than the seed's signatures from a user's core functions."""
+    if cfg.trainer.tis_cap is not None:
+        params = inspect.signature(core.grpo_loss).parameters
+        if "token_weights" not in params:
+            source = core.source.get("grpo_loss", "grpolab")
+            raise ValueError(
+                f"trainer.tis_cap={cfg.trainer.tis_cap} needs a grpo_loss that takes "
+                f"token_weights; the one from {source} does not"
+            )
+
+
 def make_run(
     cfg: Config,
     model: torch.nn.Module,
@@ -545,6 +566,8 @@ def make_run(
     """Task, rewards, engine, reference copy, optimizer and LR schedule around `model`;
     under data parallel the model is sharded (fsdp) or made equal on every rank (ddp) first."""
     t = cfg.trainer
+    core = core or default_core(t.logprobs)
+    check_core_supports(core, cfg)
     d = dist or Dist()
     if d.on:
         validate_world(cfg, d.world)
@@ -592,7 +615,7 @@ def make_run(
         optimizer=optimizer,
         scheduler=scheduler,
         data_gen=torch.Generator().manual_seed(cfg.seed),
-        core=core or default_core(t.logprobs),
+        core=core,
         device=device or next(model.parameters()).device,
         dist=d,
     )
@@ -610,7 +633,7 @@ def train(
 
     The preflight checks run first, on this model and a real batch, and training refuses to
     start if one fails (PreflightFailed) unless `skip_preflight`."""
-    console = console or Console()
+    console = console or wide_console()
     t = cfg.trainer
     wall_start = time.time()
     transformers.utils.logging.disable_progress_bar()
@@ -879,7 +902,7 @@ def run_eval(
     console: Console | None = None,
 ) -> dict[str, float]:
     """`grpolab eval`: greedy accuracy (and pass@k) of cfg.model on cfg.task's held-out set."""
-    console = console or Console()
+    console = console or wide_console()
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     device = resolve_device(cfg.model.device)
