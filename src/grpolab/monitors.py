@@ -30,60 +30,77 @@ def limits_for(trainer_cfg, model_dtype: str) -> MonitorLimits:
     )
 
 
+@dataclass(frozen=True)
+class Watch:
+    """One monitored metric: its name in the warning, its upper (or lower) limit, the cause."""
+
+    key: str  # in the step's metrics
+    name: str
+    limit: str  # the MonitorLimits field
+    why: str
+    lower: bool = False  # the limit is a minimum
+    scheme_a_only: bool = False
+
+
+WATCHES = (
+    Watch(
+        "monitor/ratio_dev",
+        "max |ratio - 1| before the first update",
+        "ratio_dev",
+        "logp_old is not the sampling policy's log-probs: dropout, a stale copy or different "
+        "inputs",
+        scheme_a_only=True,
+    ),
+    Watch(
+        "kl",
+        "kl",
+        "kl_min",
+        "k3 cannot be negative: check the sign of d = logp_ref - logp_new",
+        lower=True,
+    ),
+    Watch(
+        "monitor/adv_group_sum",
+        "max |group sum of advantages|",
+        "adv_group_sum",
+        "groups are not contiguous or not mean-centred",
+    ),
+    Watch(
+        "monitor/engine_gap",
+        "max |engine logp - trainer logp|",
+        "engine_gap",
+        "the engine samples from other weights or another temperature than the trainer",
+    ),
+    Watch(
+        "clip_frac",
+        "clip_frac",
+        "clip_frac_max",
+        "the policy moves too far per step: lower the learning rate or num_iterations",
+    ),
+    Watch(
+        "frac_reward_zero_std",
+        "frac_reward_zero_std",
+        "zero_std_max",
+        "almost no group has reward variance, so almost nothing is learned",
+    ),
+)
+
+
 def check_step(step: int, metrics: dict, limits: MonitorLimits, scheme_a: bool) -> list[str]:
     """Warnings for the quantities of one step that are out of their normal range."""
-    warnings: list[str] = []
-
-    def out(name: str, value: float, expected: str, why: str) -> None:
-        warnings.append(f"step {step}: {name} = {value:.3g}, expected {expected} ({why})")
-
+    warnings = []
     if metrics.get("skipped"):
-        what = metrics.get("nonfinite", "a value")
-        out("non-finite", float(metrics["skipped"]), "0 skipped updates", f"{what} went first")
-    dev = metrics.get("monitor/ratio_dev")
-    if scheme_a and _known(dev) and dev > limits.ratio_dev:
-        out(
-            "max |ratio - 1| before the first update",
-            dev,
-            f"<= {limits.ratio_dev:g}",
-            "logp_old is not the sampling policy's log-probs: dropout, a stale copy or "
-            "different inputs",
+        what = metrics.get("nonfinite") or "a value"
+        warnings.append(
+            f"step {step}: non-finite = {metrics['skipped']} skipped update(s), expected 0 "
+            f"({what} went first)"
         )
-    kl = metrics.get("kl")
-    if _known(kl) and kl < limits.kl_min:
-        out("kl", kl, ">= 0", "k3 cannot be negative: check the sign of d = logp_ref - logp_new")
-    sums = metrics.get("monitor/adv_group_sum")
-    if _known(sums) and sums > limits.adv_group_sum:
-        out(
-            "max |group sum of advantages|",
-            sums,
-            f"<= {limits.adv_group_sum:g}",
-            "groups are not contiguous or not mean-centred",
-        )
-    gap = metrics.get("monitor/engine_gap")
-    if _known(gap) and gap > limits.engine_gap:
-        out(
-            "max |engine logp - trainer logp|",
-            gap,
-            f"<= {limits.engine_gap:g}",
-            "the engine samples from other weights or another temperature than the trainer",
-        )
-    clip = metrics.get("clip_frac")
-    if _known(clip) and clip > limits.clip_frac_max:
-        out(
-            "clip_frac",
-            clip,
-            f"<= {limits.clip_frac_max:g}",
-            "the policy moves too far per step: lower the learning rate or num_iterations",
-        )
-    zero = metrics.get("frac_reward_zero_std")
-    if _known(zero) and zero > limits.zero_std_max:
-        out(
-            "frac_reward_zero_std",
-            zero,
-            f"<= {limits.zero_std_max:g}",
-            "almost no group has reward variance, so almost nothing is learned",
-        )
+    for w in WATCHES:
+        value, limit = metrics.get(w.key), getattr(limits, w.limit)
+        if not _known(value) or (w.scheme_a_only and not scheme_a):
+            continue
+        if (value < limit) if w.lower else (value > limit):
+            expected = f"{'>=' if w.lower else '<='} {limit:g}"
+            warnings.append(f"step {step}: {w.name} = {value:.3g}, expected {expected} ({w.why})")
     return warnings
 
 
