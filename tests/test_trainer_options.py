@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from grpolab.config import load_config
+from grpolab.config import ConfigError, load_config
 from grpolab.trainer import grpo_step, load_start_model, make_run
 
 
@@ -32,3 +33,36 @@ def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
     assert checkpointed == [False, True]
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_autocast_keeps_fp32_master_weights_and_an_exact_first_ratio(tmp_path):
+    weights = {}
+    for mode in ("off", "bf16"):
+        cfg = load_config(
+            None,
+            [
+                f"output_dir={tmp_path / mode}",
+                "trainer.prompts_per_step=4",
+                "trainer.num_generations=4",
+                "trainer.mini_batch_size=8",  # two updates: logp_old from its own forward
+                f"trainer.autocast={mode}",
+            ],
+        )
+        model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+        start = [p.detach().clone() for p in model.parameters()]
+        run = make_run(cfg, model, tokenizer)
+        metrics, _ = grpo_step(run, 1)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert any(not torch.equal(a, p) for a, p in zip(start, model.parameters(), strict=True))
+        # logp_old and the first loss forward run in the same precision: the ratio is 1.
+        assert metrics["monitor/ratio_dev"] <= 1e-6
+        weights[mode] = [p.detach().clone() for p in model.parameters()]
+    diffs = [
+        float((a - b).abs().max()) for a, b in zip(weights["off"], weights["bf16"], strict=True)
+    ]
+    assert 0 < max(diffs) < 1e-2  # bf16 matmuls did run, and stayed close to fp32
+
+
+def test_autocast_takes_off_or_bf16():
+    with pytest.raises(ConfigError, match=r"trainer\.autocast"):
+        load_config(None, ["trainer.autocast=fp8"])

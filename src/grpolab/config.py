@@ -90,6 +90,9 @@ class TrainerConfig:
     rollout_split: str = "local"
     # Recompute each decoder layer's activations in backward: less memory, ~30% more compute.
     gradient_checkpointing: bool = False
+    # bf16: the model's forwards run under bf16 autocast (matmuls in bfloat16, log-softmax
+    # still float32) while weights, gradients and AdamW stay in model.dtype (fp32 master).
+    autocast: str = "off"
     # LoRA (needs the `lora` extra, peft): lora_r > 0 trains low-rank adapters on
     # lora_target_modules and freezes the base weights; 0 = full fine-tuning.
     lora_r: int = 0
@@ -329,6 +332,7 @@ def validate(cfg: Config) -> None:
         "an integer >= 1",
     )
     _need(t.monitor in ("warn", "stop", "off"), "trainer.monitor", t.monitor, "warn, stop or off")
+    _need(t.autocast in ("off", "bf16"), "trainer.autocast", t.autocast, "off or bf16")
     if t.tis_cap is not None:
         _need(t.tis_cap > 0, "trainer.tis_cap", t.tis_cap, "a number > 0 (e.g. 2.0), or null")
         _need(

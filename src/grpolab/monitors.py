@@ -24,7 +24,7 @@ class MonitorLimits:
 def limits_for(trainer_cfg, model_dtype: str) -> MonitorLimits:
     """The limits for a run: the engine gap a float32 stack keeps is far below a bf16 one's."""
     return MonitorLimits(
-        engine_gap=1e-3 if model_dtype == "float32" else 5e-2,
+        engine_gap=1e-3 if model_dtype == "float32" and trainer_cfg.autocast == "off" else 5e-2,
         clip_frac_max=trainer_cfg.monitor_clip_frac_max,
         zero_std_max=trainer_cfg.monitor_zero_std_max,
     )

@@ -11,6 +11,7 @@ sample prompts_per_step prompts x G  -> rollout (eval mode, no grad)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -252,14 +253,16 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
             raise ValueError("trainer.logprob_source=engine but the engine returned no log-probs")
         logp_old = rollout.engine_logprobs.to(dev)
     elif not on_policy:
-        logp_old = batched_logprobs(
-            C, model, input_ids, attention_mask, completion_mask, micro, temperature
-        )
+        with autocast(t.autocast, dev):  # the same precision as the loss forward: ratio 1
+            logp_old = batched_logprobs(
+                C, model, input_ids, attention_mask, completion_mask, micro, temperature
+            )
     logp_ref = None  # [B, T-1]
     if t.beta > 0:
-        logp_ref = reference_logprobs(
-            run, input_ids, attention_mask, completion_mask, micro, temperature
-        )
+        with autocast(t.autocast, dev):
+            logp_ref = reference_logprobs(
+                run, input_ids, attention_mask, completion_mask, micro, temperature
+            )
     timings["time/logprobs"] = time.perf_counter() - tic
 
     # 4. Inner epochs over minibatches; one optimizer step per minibatch.
@@ -285,9 +288,14 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
             unit_total = dist_module.all_sum(unit_count(t.loss_type, unit_mask), d)
             for m_start in range(0, mini, micro):
                 idx = unit[m_start : m_start + micro]
-                logp, mask = C.sequence_logprobs(
-                    model, input_ids[idx], attention_mask[idx], completion_mask[idx], temperature
-                )  # [b, T-1]
+                with autocast(t.autocast, dev):  # the forward only; backward outside
+                    logp, mask = C.sequence_logprobs(
+                        model,
+                        input_ids[idx],
+                        attention_mask[idx],
+                        completion_mask[idx],
+                        temperature,
+                    )  # [b, T-1], float32 whatever the matmul precision
                 old = logp.detach() if logp_old is None else logp_old[idx]
                 ref = None if logp_ref is None else logp_ref[idx]
                 weights = None  # [b, T-1] truncated importance weights, engine -> trainer
@@ -406,6 +414,14 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         "answers": [e.answer for e in examples for _ in range(G)],
     }
     return metrics, batch
+
+
+def autocast(mode: str, device: torch.device):
+    """bf16 matmuls for the model's forwards (weights and optimizer stay in the model dtype),
+    or nothing."""
+    if mode == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def masked_max_abs(values: torch.Tensor, mask: torch.Tensor) -> float:
