@@ -558,13 +558,22 @@ def check_kl(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings)
     )
 
 
+UNEQUAL_LENGTHS = (6, 1, 3, 4)
+
+
+def unequal_lengths_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random per-token values [4, 6] and a mask of UNEQUAL_LENGTHS completion tokens: the
+    case where sequence-, token- and constant-normalised losses all differ."""
+    per_token = torch.randn(4, 6, generator=g)
+    mask = torch.zeros(4, 6)
+    for i, n in enumerate(UNEQUAL_LENGTHS):
+        mask[i, :n] = 1
+    return per_token, mask
+
+
 def check_normalisation(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
     g = torch.Generator().manual_seed(s.seed)
-    per_token = torch.randn(4, 6, generator=g)
-    lengths = [6, 1, 3, 4]
-    mask = torch.zeros(4, 6)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
+    per_token, mask = unequal_lengths_batch(g)
     L = s.max_completion_length or 8
     values = {}
     for mode in core.AGGREGATIONS:

@@ -23,6 +23,7 @@ from rich.table import Table
 from grpolab import checks
 from grpolab.checks import CheckResult, CoreImpl, PreflightBatch, PreflightSettings
 from grpolab.config import Config
+from grpolab.monitors import limits_for
 
 PREFLIGHT_ROWS = 32  # sequences in the preflight batch (whole groups, at least two)
 
@@ -38,7 +39,7 @@ def settings_from_config(cfg: Config) -> PreflightSettings:
         scale_rewards=t.scale_rewards,
         advantage_eps=t.advantage_eps,
         max_completion_length=cfg.rollout.max_completion_length,
-        engine_gap_max=1e-3 if cfg.model.dtype == "float32" else 5e-2,
+        engine_gap_max=limits_for(t, cfg.model.dtype).engine_gap,
         seed=cfg.seed,
     )
 
@@ -211,8 +212,8 @@ def longest_prompt_tokens(run, limit: int = 10_000) -> int:
         prompts,
         run.cfg.rollout.max_completion_length,
         getattr(run.model.config, "max_position_embeddings", None),
-        getattr(run.cfg.task, "chat_template", False),
-        getattr(run.cfg.task, "system_prompt", None),
+        run.cfg.task.chat_template,
+        run.cfg.task.system_prompt,
     )
     return max(len(ids) for ids in encoded)
 

@@ -571,6 +571,17 @@ def check_core_supports(core: CoreFns, cfg: Config) -> None:
             )
 
 
+def task_engine(cfg: Config, model: torch.nn.Module, tokenizer):
+    """The configured rollout engine, with the task's chat template and system prompt."""
+    return build_engine(
+        cfg.rollout,
+        model,
+        tokenizer,
+        chat_template=cfg.task.chat_template,
+        system_prompt=cfg.task.system_prompt,
+    )
+
+
 def make_run(
     cfg: Config,
     model: torch.nn.Module,
@@ -610,13 +621,7 @@ def make_run(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(t.lr_scheduler, t.warmup_steps, cfg.max_steps * steps_per_batch)
     )
-    engine = build_engine(
-        cfg.rollout,
-        model,
-        tokenizer,
-        chat_template=getattr(cfg.task, "chat_template", False),
-        system_prompt=getattr(cfg.task, "system_prompt", None),
-    )
+    engine = task_engine(cfg, model, tokenizer)
     return Run(
         cfg=cfg,
         model=model,
@@ -927,13 +932,7 @@ def run_eval(
     held_out = task.eval[:examples] if examples else task.eval
     if not held_out:
         raise ValueError(f"task {cfg.task.name!r} has no held-out examples (task.num_eval)")
-    engine = build_engine(
-        cfg.rollout,
-        model,
-        tokenizer,
-        chat_template=getattr(cfg.task, "chat_template", False),
-        system_prompt=getattr(cfg.task, "system_prompt", None),
-    )
+    engine = task_engine(cfg, model, tokenizer)
     accuracy = accuracy_rewards(cfg.rewards, cfg.task)
     length = cfg.trainer.eval_max_completion_length or cfg.rollout.max_completion_length
     result = {"accuracy": evaluate_accuracy(engine, held_out, accuracy, length)}

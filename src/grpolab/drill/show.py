@@ -8,7 +8,13 @@ from collections.abc import Callable
 import torch
 
 from grpolab import core
-from grpolab.checks import CoreImpl, PreflightBatch, PreflightSettings
+from grpolab.checks import (
+    UNEQUAL_LENGTHS,
+    CoreImpl,
+    PreflightBatch,
+    PreflightSettings,
+    unequal_lengths_batch,
+)
 from grpolab.drill.texts import msg, show_text
 
 
@@ -146,12 +152,8 @@ def show_kl(impl: CoreImpl, model, batch: PreflightBatch, s, lang: str) -> list[
 
 
 def show_aggregation(impl: CoreImpl, s: PreflightSettings, lang: str) -> list[str]:
-    g = torch.Generator().manual_seed(s.seed)
-    per_token = torch.randn(4, 6, generator=g)
-    lengths = [6, 1, 3, 4]
-    mask = torch.zeros(4, 6)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
+    per_token, mask = unequal_lengths_batch(torch.Generator().manual_seed(s.seed))
+    lengths = list(UNEQUAL_LENGTHS)
     L = 6
     lines = [
         show_text("6_head", lang, lengths=lengths, L=L),
