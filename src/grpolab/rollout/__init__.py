@@ -21,7 +21,13 @@ def build_engine(
     if cfg.engine == "hf":
         from grpolab.rollout.hf import HFEngine
 
-        return HFEngine(model, tokenizer, chat_template=chat_template, system_prompt=system_prompt)
+        return HFEngine(
+            model,
+            tokenizer,
+            chat_template=chat_template,
+            system_prompt=system_prompt,
+            shared_prefill=cfg.shared_prefill,
+        )
     if cfg.engine == "vllm":
         from grpolab.rollout.vllm import VLLMEngine
 

@@ -64,6 +64,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_completion_length: int = 32
+    # hf only: prefill each prompt once for its G samples (exact; off = one prefill per row).
+    shared_prefill: bool = True
     # vllm only: engine memory and context; the engine holds its own copy of the weights,
     # synced from the trainer after every optimizer step.
     vllm_gpu_memory_utilization: float = 0.3

@@ -1,22 +1,24 @@
-"""The default rollout engine: transformers `generate` on the training model itself.
+"""The default rollout engine: a decode loop on the training model itself (transformers
+forward with a KV cache).
 
-Batched with a KV cache; prompts left-padded; the G samples of a prompt contiguous (each
-prompt row repeated G times before generate, as `num_return_sequences` would, which greedy
-decoding refuses). Sampling is seeded from `SamplingParams.seed` inside
-`torch.random.fork_rng`, so the global RNG state is untouched (a resumed run is bit-exact).
-Temperature 0 is greedy decoding; its log-probs are reported at temperature 1.
+Prompts left-padded; the G samples of a prompt contiguous. Each prompt but its last token is
+prefilled once and its KV cache repeated G times (the G samples share it), then the loop
+samples one token per row per step, temperature first, then top-k, then top-p (the order of
+transformers' `generate`). Rows that have produced a stop token leave the batch and the
+cache, so later steps only run the rows still writing. Sampling draws from a generator
+seeded with `SamplingParams.seed`: the global RNG is untouched and a resumed run samples the
+same. Temperature 0 is greedy decoding; its log-probs are reported at temperature 1.
 
-Engine log-probs are recorded while sampling by a logits processor that sits before the
-temperature / top-k / top-p warpers: it sees the model's raw logits and reports
-log_softmax(logits / temperature) of the sampled token, i.e. the untruncated sampling
-distribution that `core.sequence_logprobs(..., temperature)` computes. Only one [B, V]
-distribution is kept at a time (storing generate's per-step scores would be [L, B, V]).
+The engine log-prob of a token is log_softmax(logits / temperature) before top-k / top-p, i.e.
+the untruncated sampling distribution that `core.sequence_logprobs(..., temperature)`
+computes. Only one [rows, V] distribution exists at a time.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from grpolab.rollout.base import Rollout, SamplingParams
 from grpolab.rollout.common import (
@@ -26,33 +28,6 @@ from grpolab.rollout.common import (
     pad_token_id,
     stop_token_ids,
 )
-
-
-class _LogprobRecorder(LogitsProcessor):
-    """Records log_softmax(raw_logits / T) of each sampled token; returns scores unchanged."""
-
-    def __init__(self, prompt_length: int, temperature: float):
-        self.prompt_length = prompt_length
-        self.temperature = temperature
-        self.steps: list[torch.Tensor] = []  # [B] per generated token
-        self._pending: torch.Tensor | None = None  # [B, V] log-probs of the next token
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self._collect(input_ids)
-        self._pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def _collect(self, sequences: torch.Tensor) -> None:
-        """Gather the pending distribution at the token that was sampled from it."""
-        step = len(self.steps)
-        if self._pending is not None and sequences.shape[1] > self.prompt_length + step:
-            token = sequences[:, self.prompt_length + step].to(self._pending.device)
-            self.steps.append(self._pending.gather(-1, token[:, None]).squeeze(-1))
-            self._pending = None
-
-    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-        self._collect(sequences)
-        return torch.stack(self.steps, dim=1).cpu()  # [B, L]
 
 
 class HFEngine:
@@ -65,11 +40,13 @@ class HFEngine:
         tokenizer,
         chat_template: bool = False,
         system_prompt: str | None = None,
+        shared_prefill: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.system_prompt = system_prompt
+        self.shared_prefill = shared_prefill
         config = model.config
         self.context_length = getattr(config, "max_position_embeddings", None)
         model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -100,60 +77,172 @@ class HFEngine:
             input_ids[i, P - len(ids) :] = torch.tensor(ids)
             attention_mask[i, P - len(ids) :] = 1
 
-        greedy = params.temperature == 0
-        # Greedy decoding reports log-probs at temperature 1.
-        recorder = _LogprobRecorder(P, 1.0 if greedy else params.temperature)
-        sampling = (
-            {"do_sample": False}
-            if greedy
-            else {
-                "do_sample": True,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k,
-            }
-        )
-        generation_config = GenerationConfig(
-            max_new_tokens=params.max_completion_length,
-            eos_token_id=self.stop_ids,
-            pad_token_id=self.pad_id,
-            use_cache=True,
-            return_dict_in_generate=False,
-            **sampling,
-        )
-        devices = [device] if device.type == "cuda" else []
         was_training = self.model.training
-        # generate() fills every unset option from model.generation_config (a checkpoint's
-        # repetition_penalty, min_p, ... would change the sampling distribution without the
-        # recorded log-probs knowing): a clean config stands in during the call.
-        saved_config = getattr(self.model, "generation_config", None)
         try:
             self.model.eval()
-            self.model.generation_config = GenerationConfig()
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(params.seed)
-                sequences = self.model.generate(
-                    input_ids=input_ids.repeat_interleave(G, dim=0).to(device),
-                    attention_mask=attention_mask.repeat_interleave(G, dim=0).to(device),
-                    generation_config=generation_config,
-                    logits_processor=LogitsProcessorList([recorder]),
-                    # FSDP2: every rank runs the same number of forwards (collectives inside).
-                    synced_gpus=type(self.model).__name__.startswith("FSDP"),
-                )
+            completions, logprobs = decode(
+                self.model,
+                input_ids.to(device),
+                attention_mask.to(device),
+                G,
+                params,
+                self.stop_ids,
+                self.pad_id,
+                shared_prefill=self.shared_prefill,
+            )
         finally:
-            self.model.generation_config = saved_config
             self.model.train(was_training)
-
-        sequences = sequences.cpu()  # [B, P + L]
-        logprobs = recorder.finish(sequences)  # [B, L]
-        completions = sequences[:, P:]
         return assemble_rollout(
             prompts,
             prompt_ids,
-            completions.tolist(),
-            logprobs[:, : completions.shape[1]].tolist(),
+            completions,
+            logprobs,
             G,
             self.stop_ids,
             self.pad_id,
             self.tokenizer,
         )
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from logits [n, V] -> (tokens [n] long, their log-probs [n] float32
+    under the untruncated distribution at the sampling temperature; at 1 for greedy)."""
+    logits = logits.float()
+    if params.temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    scaled = logits / params.temperature  # [n, V]
+    logp = torch.log_softmax(scaled, dim=-1)
+    kept = truncate(scaled, params.top_k, params.top_p)
+    tokens = torch.multinomial(torch.softmax(kept, dim=-1), 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Temperature-scaled logits [n, V] with everything outside the top-k, then outside the
+    smallest set of probability >= top_p, set to -inf (top_k 0 / top_p 1: off)."""
+    kept = scaled
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]  # [n, 1]
+        kept = kept.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = torch.sort(kept, dim=-1)
+        cumulative = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - top_p
+        drop[:, -1] = False  # the most likely token always stays
+        kept = kept.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return kept
+
+
+def decode(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    G: int,
+    params: SamplingParams,
+    stop_ids: list[int],
+    pad_id: int,
+    shared_prefill: bool = True,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """G completions per prompt row of input_ids [n, P] (left-padded), rows in prompt order,
+    each cut after its first stop token. Returns (token ids, their log-probs) per sample."""
+    device = input_ids.device
+    B = input_ids.shape[0] * G
+    generator = torch.Generator(device=device).manual_seed(params.seed)
+    # FSDP2: every rank runs the same forwards (collectives inside), so no rank leaves the
+    # loop early and finished rows stay in the batch.
+    sharded = type(model).__name__.startswith("FSDP")
+    keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+    last_only = {"logits_to_keep": 1} if keep_logits else {}
+
+    mask = attention_mask.repeat_interleave(G, dim=0)  # [B, P]
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P]
+    cache = None
+    if shared_prefill and G > 1 and input_ids.shape[1] > 1 and keep_logits and not sharded:
+        cache = prefill_once_per_prompt(model, input_ids, attention_mask, G)
+    if cache is None:
+        out = model(
+            input_ids=input_ids.repeat_interleave(G, dim=0),
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **last_only,
+        )
+    else:  # the prompts' last token, against the shared prefix
+        out = model(
+            input_ids=input_ids[:, -1:].repeat_interleave(G, dim=0),
+            attention_mask=mask,
+            position_ids=positions[:, -1:],
+            past_key_values=cache,
+            use_cache=True,
+            **last_only,
+        )
+    cache = out.past_key_values
+    next_position = positions[:, -1] + 1  # [B]
+    rows = torch.arange(B, device=device)  # sample index of each batch row
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    stops = torch.tensor(stop_ids, device=device)
+    steps = []  # per step: (sample indices, tokens, log-probs) of the rows still writing
+    for step in range(params.max_completion_length):
+        tokens, logp = sample_next(out.logits[:, -1], params, generator)  # [rows]
+        writing = ~finished[rows]
+        steps.append((rows[writing], tokens[writing], logp[writing]))
+        finished[rows[writing & torch.isin(tokens, stops)]] = True
+        if step + 1 == params.max_completion_length:
+            break
+        if sharded:
+            left = finished.logical_not().sum()
+            torch.distributed.all_reduce(left)
+            if int(left) == 0:
+                break
+            tokens = tokens.masked_fill(finished[rows], pad_id)
+        else:
+            stay = ~finished[rows]
+            if not bool(stay.any()):
+                break
+            if not bool(stay.all()):  # finished rows leave the batch and the cache
+                index = stay.nonzero().squeeze(1)
+                cache.batch_select_indices(index)
+                rows, tokens, mask = rows[index], tokens[index], mask[index]
+                next_position = next_position[index]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        out = model(
+            input_ids=tokens[:, None],
+            attention_mask=mask,
+            position_ids=next_position[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        next_position = next_position + 1
+
+    completions: list[list[int]] = [[] for _ in range(B)]
+    logprobs: list[list[float]] = [[] for _ in range(B)]
+    for sample, token, lp in steps:
+        for i, t, v in zip(sample.tolist(), token.tolist(), lp.tolist(), strict=True):
+            completions[i].append(t)
+            logprobs[i].append(v)
+    return completions, logprobs
+
+
+def prefill_once_per_prompt(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, G: int):
+    """KV cache of each prompt but its last token, computed once and repeated G times:
+    [n, P] prompts -> a cache of [n * G] rows and P - 1 positions, or None where the model's
+    cache is not a plain per-layer concatenation (sliding-window, hybrid: full prefill)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    mask = attention_mask[:, :-1]  # [n, P-1]
+    out = model(
+        input_ids=input_ids[:, :-1],
+        attention_mask=mask,
+        position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = out.past_key_values
+    if type(cache) is not DynamicCache or any(type(x) is not DynamicLayer for x in cache.layers):
+        return None
+    cache.batch_repeat_interleave(G)
+    return cache
