@@ -131,6 +131,7 @@ class PreflightSettings:
     max_completion_length: int | None = None
     engine_gap_max: float = 1e-3  # fp32 engines agree to ~1e-5; bf16 engines need more
     seed: int = 0
+    shared_prefix: bool = True  # the trainer's fused log-probs run a group's prompt once
 
 
 @dataclass

@@ -18,7 +18,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        core = impl_core(args.impl, cfg.trainer.logprobs) if args.impl else None
+        core = impl_core(args.impl, cfg.trainer) if args.impl else None
         train(
             cfg,
             resume=args.resume,
@@ -40,7 +40,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def impl_core(path: str, logprobs: str):
+def impl_core(path: str, trainer_cfg):
     """The trainer's core with the functions a user's file defines; the rest stay grpolab's."""
     from grpolab.checks import ImplLoadError, load_impl
     from grpolab.trainer import default_core
@@ -49,7 +49,7 @@ def impl_core(path: str, logprobs: str):
         impl = load_impl(path)
     except ImplLoadError as e:
         raise ValueError(str(e)) from None
-    fns = default_core(logprobs)
+    fns = default_core(trainer_cfg.logprobs, trainer_cfg.shared_prefix)
     for name, source in impl.source.items():
         if source != "grpolab":
             setattr(fns, name, getattr(impl, name))

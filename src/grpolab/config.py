@@ -55,6 +55,9 @@ class TrainerConfig:
     # vllm_importance_sampling_cap). Needs the engine's log-probs; None = off.
     tis_cap: float | None = None
     logprobs: str = "fused"  # fused | naive (grpolab.logprobs) | core (core.sequence_logprobs)
+    # fused: run each group's shared prompt through the model once, its G completions against
+    # that prompt's keys and values (exact; checked against one forward per row at first use).
+    shared_prefix: bool = True
     # Optimisation: one optimizer step per minibatch; each minibatch is accumulated over
     # gradient_accumulation_steps micro-batches.
     mini_batch_size: int | None = None  # sequences per optimizer step; None = the whole batch

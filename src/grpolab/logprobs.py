@@ -419,39 +419,210 @@ def _body_hidden(body, input_ids, attention_mask, position_ids) -> torch.Tensor:
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
-def _verify_split(model, split: Split, input_ids, attention_mask) -> str | None:
-    """Compare the split's logits with the model's own on a short slice of the batch, once
-    per model: catches what no config attribute announces (a scaled head, a wrapper)."""
-    if model in _VERIFIED:
-        return _VERIFIED[model]
-    real = input_ids[0][attention_mask[0].bool()]
-    ids = (real if real.numel() else input_ids[0])[:16][None]  # [1, <=16], no padding
-    attn = torch.ones_like(ids)
-    pos = torch.arange(ids.shape[1], device=ids.device)[None]
+def _gap_beyond_tolerance(got: torch.Tensor, expected: torch.Tensor) -> float | None:
+    """max |got - expected| when it exceeds the dtype's tolerance (1e-4 in float32, 2e-2 in
+    16-bit, relative to max(1, max |expected|)); None when within it."""
+    tol = 1e-4 if expected.dtype in (torch.float32, torch.float64) else 2e-2
+    err = (got.float() - expected.float()).abs().max().item()
+    scale = max(1.0, expected.float().abs().max().item())
+    return None if err <= tol * scale else err
+
+
+def _verdict_once(verdicts, model, failure: str, probe) -> str | None:
+    """probe() -> None or what is wrong, run once per model in eval mode (dropout would make
+    two forwards differ) without grad; an exception is a verdict too. Cached in verdicts."""
+    if model in verdicts:
+        return verdicts[model]
     was_training = model.training
-    model.eval()  # dropout would make the two forwards differ
+    model.eval()
     try:
         with torch.no_grad():
-            expected = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-            hidden = _body_hidden(split.body, ids, attn, pos)
-            got = torch.nn.functional.linear(hidden, split.weight)
-        reason = None
-        if got.shape != expected.shape:
-            reason = f"body + lm-head give logits {tuple(got.shape)}, model {tuple(expected.shape)}"
-        else:
-            tol = 1e-4 if expected.dtype in (torch.float32, torch.float64) else 2e-2
-            err = (got.float() - expected.float()).abs().max().item()
-            scale = max(1.0, expected.float().abs().max().item())
-            if not err <= tol * scale:
-                reason = f"body + lm-head differ from the model's logits by {err:.3g}"
-    except Exception as e:  # any model whose body cannot be called this way: naive path
-        reason = f"calling the body failed: {type(e).__name__}: {e}"
+            reason = probe()
+    except Exception as e:  # any model that cannot be called this way takes the other path
+        reason = f"{failure}: {type(e).__name__}: {e}"
     finally:
         model.train(was_training)
     if reason is not None:
         reason = f"{type(model).__name__}: {reason}"
-    _VERIFIED[model] = reason
+    verdicts[model] = reason
     return reason
+
+
+def _verify_split(model, split: Split, input_ids, attention_mask) -> str | None:
+    """Compare the split's logits with the model's own on a short slice of the batch, once
+    per model: catches what no config attribute announces (a scaled head, a wrapper)."""
+    real = input_ids[0][attention_mask[0].bool()]
+    ids = (real if real.numel() else input_ids[0])[:16][None]  # [1, <=16], no padding
+    attn = torch.ones_like(ids)
+    pos = torch.arange(ids.shape[1], device=ids.device)[None]
+
+    def probe() -> str | None:
+        expected = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+        got = torch.nn.functional.linear(_body_hidden(split.body, ids, attn, pos), split.weight)
+        if got.shape != expected.shape:
+            return f"body + lm-head give logits {tuple(got.shape)}, model {tuple(expected.shape)}"
+        if (err := _gap_beyond_tolerance(got, expected)) is not None:
+            return f"body + lm-head differ from the model's logits by {err:.3g}"
+        return None
+
+    return _verdict_once(_VERIFIED, model, "calling the body failed", probe)
+
+
+# --- One forward per distinct prompt -----------------------------------------------------------
+#
+# The G completions of a prompt share its tokens, so the body can run the prompt once per group
+# and the completions against that prompt's keys and values, repeated G times in the batch
+# (an index, so backward sums the G rows' gradients into the one prompt forward: the same
+# gradient as G separate prompt forwards). Exact up to float summation order; on GRPO batches
+# (prompt ~ half the tokens, G = 8-16) it removes most of the prompt's share of the work.
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """Columns [0, length) are the shared prefix; rows `firsts` [U] hold the distinct prefixes
+    and `owner` [B] maps each row to its prefix's position in `firsts`."""
+
+    length: int
+    firsts: torch.Tensor  # [U] long
+    owner: torch.Tensor  # [B] long, values in [0, U)
+
+
+def plan_shared_prefix(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
+) -> PrefixPlan | None:
+    """Runs of consecutive rows with identical prompt columns, or None when sharing would not
+    pay (fewer than two rows per distinct prompt on average) or does not apply.
+
+    The prefix ends where the first completion token of the batch starts; its last column must
+    be a real token in every row (a left-padded prompt layout, as every engine returns)."""
+    B = input_ids.shape[0]
+    starts = completion_mask.any(dim=0).nonzero()
+    if B < 2 or starts.numel() == 0:
+        return None
+    length = int(starts[0])
+    if length < 2 or not bool(attention_mask[:, length - 1].all()):
+        return None
+    ids, attn = input_ids[:, :length], attention_mask[:, :length]
+    same = (ids[1:] == ids[:-1]).all(dim=1) & (attn[1:] == attn[:-1]).all(dim=1)  # [B-1]
+    is_first = torch.cat([same.new_ones(1), ~same])  # [B]
+    firsts = is_first.nonzero().squeeze(1)  # [U]
+    if 2 * firsts.numel() > B:
+        return None
+    return PrefixPlan(length, firsts, is_first.long().cumsum(0) - 1)
+
+
+MAX_SUFFIX_BUCKETS = 4
+MIN_BUCKET_SAVING = 0.125  # a bucket must save this share of the unbucketed positions
+
+
+def suffix_buckets(needed: torch.Tensor) -> list[torch.Tensor]:
+    """Rows grouped so that each group pads only to its own longest row.
+
+    needed [B] long: suffix columns each row needs. Rows are sorted longest first and a group
+    is split at the cut that saves the most padded positions, while a cut saves at least
+    MIN_BUCKET_SAVING of the one-group positions (each group costs a forward of its own),
+    up to MAX_SUFFIX_BUCKETS groups. Returns row indices per group, longest group first."""
+    order = torch.argsort(needed, descending=True, stable=True)
+    lengths = needed[order].tolist()  # descending
+    total = len(lengths) * (lengths[0] if lengths else 0)
+    spans = [(0, len(lengths))]
+    while len(spans) < MAX_SUFFIX_BUCKETS:
+        best = (MIN_BUCKET_SAVING * total, None, None)
+        for k, (a, b) in enumerate(spans):
+            for i in range(
+                a + 1, b
+            ):  # cut before i: [a, i) pads to lengths[a], [i, b) to lengths[i]
+                if lengths[i] == lengths[i - 1]:
+                    continue
+                saving = (b - i) * (lengths[a] - lengths[i])
+                if saving > best[0]:
+                    best = (saving, k, i)
+        _, k, i = best
+        if k is None:
+            break
+        a, b = spans[k]
+        spans[k : k + 1] = [(a, i), (i, b)]
+    return [order[a:b] for a, b in spans]
+
+
+def _prefix_hidden(body, input_ids, attention_mask, position_ids, plan: PrefixPlan):
+    """Final hidden states at positions [plan.length - 1, T - 1) -> [B, T - length, H]: what
+    predicts the tokens in columns [length, T), zeros past each row's last real token. None
+    if the body keeps no plain KV cache."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    P = plan.length
+    B, T = input_ids.shape
+    rows = plan.firsts
+    out = body(
+        input_ids=input_ids[rows, :P],
+        attention_mask=attention_mask[rows, :P],
+        position_ids=position_ids[rows, :P],
+        use_cache=True,
+    )
+    prefix = out.past_key_values  # [U, heads, P, d] per layer
+    if type(prefix) is not DynamicCache or any(type(x) is not DynamicLayer for x in prefix.layers):
+        return None  # sliding-window, hybrid or quantised caches: not a plain concatenation
+    last = out.last_hidden_state[:, -1]  # [U, H], predicts column P
+    window = last.new_zeros(B, T - P, last.shape[-1])
+    window[:, 0] = last[plan.owner]
+    # Row r's hidden states are needed up to its last real token but one (that token's
+    # prediction lies past the row), i.e. suffix columns [P, P + needed[r]).
+    real = attention_mask[:, P:].bool()  # [B, T-P]
+    columns = torch.arange(1, T - P + 1, device=real.device)
+    needed = ((real * columns).amax(dim=1) - 1).clamp(min=0)  # [B]
+    for bucket in suffix_buckets(needed):
+        width = int(needed[bucket].max())
+        if width == 0:
+            continue
+        cache = DynamicCache()
+        for i, layer in enumerate(prefix.layers):  # this bucket's rows' prompts, by index
+            owners = plan.owner[bucket]
+            cache.update(layer.keys[owners], layer.values[owners], i)
+        out = body(
+            input_ids=input_ids[bucket, P : P + width],
+            attention_mask=attention_mask[bucket, : P + width],
+            position_ids=position_ids[bucket, P : P + width],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        window[bucket, 1 : 1 + width] = out.last_hidden_state  # [b, width, H]
+    return window
+
+
+# Verdict per model: None when one-forward-per-prompt was checked against the plain forward.
+_PREFIX_VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _verify_shared_prefix(model, body, input_ids, attention_mask, position_ids, plan) -> str | None:
+    """Compare with the plain forward on one shared prefix and two suffixes, once per model."""
+    first = int((plan.owner[1:] == plan.owner[:-1]).nonzero()[0])  # a run of >= 2 rows
+    rows = torch.tensor([first, first + 1], device=input_ids.device)
+    small = PrefixPlan(plan.length, rows[:1], torch.zeros(2, dtype=torch.long, device=rows.device))
+    ids, attn, pos = input_ids[rows], attention_mask[rows], position_ids[rows]
+
+    def probe() -> str | None:
+        got = _prefix_hidden(body, ids, attn, pos, small)
+        if got is None:
+            return "shared-prefix forward: its KV cache is not a plain per-layer concatenation"
+        expected = _body_hidden(body, ids, attn, pos)[:, plan.length - 1 : -1]
+        keep = attn[:, plan.length :].bool()  # positions that predict a real token
+        err = _gap_beyond_tolerance(got[keep], expected[keep])
+        return None if err is None else f"shared-prefix forward differs from one by {err:.3g}"
+
+    return _verdict_once(_PREFIX_VERIFIED, model, "the shared-prefix forward failed", probe)
+
+
+def shared_prefix_status(model, input_ids, attention_mask, completion_mask) -> str | None:
+    """None when `token_logprobs` (fused) runs this batch one forward per prompt, else why not.
+    Call after a `token_logprobs` call on the same model (the first one verifies the model)."""
+    if model.training and getattr(model, "is_gradient_checkpointing", False):
+        return "gradient checkpointing drops the KV cache"
+    if plan_shared_prefix(input_ids, attention_mask, completion_mask) is None:
+        return "fewer than two rows per distinct prompt"
+    return _PREFIX_VERIFIED.get(model, "not yet verified on this model")
 
 
 # --- The API the trainer calls -----------------------------------------------------------------
@@ -466,6 +637,7 @@ def token_logprobs(
     impl: str = "fused",
     return_entropy: bool = False,
     prompt_length: int | None = None,
+    shared_prefix: bool = True,
 ):
     """Log-prob of each sampled token at the sampling temperature: the contract of
     `core.sequence_logprobs`, with zeros where the mask is 0.
@@ -476,6 +648,8 @@ def token_logprobs(
     impl="fused" projects only completion positions through the lm-head in tiles;
     impl="naive" is the seed's full-logits path (`core.sequence_logprobs`).
     prompt_length: the column where completions start (all rows), if known.
+    shared_prefix: on the fused path, run the body once per distinct prompt of consecutive
+    rows (a GRPO group) and the completions against its cached keys and values.
     """
     from grpolab import core
 
@@ -519,6 +693,7 @@ def token_logprobs(
                 temperature,
                 return_entropy,
                 prompt_length,
+                shared_prefix,
             )
         _warn_once(model, reason)
     return _naive(model, input_ids, attention_mask, completion_mask, temperature, return_entropy)
@@ -527,12 +702,14 @@ def token_logprobs(
 _WARNED: weakref.WeakKeyDictionary[torch.nn.Module, set[str]] = weakref.WeakKeyDictionary()
 
 
-def _warn_once(model: torch.nn.Module, reason: str) -> None:
+def _warn_once(
+    model: torch.nn.Module, reason: str, what: str = "fused path unavailable, using naive"
+) -> None:
     """Each reason once per model: the trainer calls this every step."""
     seen = _WARNED.setdefault(model, set())
     if reason not in seen:
         seen.add(reason)
-        log.warning("logprobs: fused path unavailable, using naive: %s", reason)
+        log.warning("logprobs: %s: %s", what, reason)
 
 
 def _naive(model, input_ids, attention_mask, completion_mask, temperature, return_entropy):
@@ -566,14 +743,31 @@ def _fused(
     temperature,
     return_entropy,
     prompt_length,
+    shared_prefix=True,
 ):
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = _body_hidden(split.body, input_ids, attention_mask, position_ids)  # [B, T, H]
     mask = completion_mask[:, 1:].float()  # [B, T-1]
-    start = 0 if prompt_length is None else prompt_length - 1
+    window = None  # final hidden states at positions [start, T-1), [B, T-1-start, H]
+    plan = None
+    checkpointing = model.training and getattr(model, "is_gradient_checkpointing", False)
+    if shared_prefix and not checkpointing:  # checkpointed layers drop the KV cache
+        plan = plan_shared_prefix(input_ids, attention_mask, completion_mask)
+    if plan is not None:
+        args = (split.body, input_ids, attention_mask, position_ids)
+        reason = _verify_shared_prefix(model, *args, plan)
+        if reason is None:
+            window = _prefix_hidden(*args, plan)
+        else:
+            _warn_once(model, reason, "one forward per prompt unavailable, one per row")
+    if window is not None:
+        start = plan.length - 1
+    else:
+        hidden = _body_hidden(split.body, input_ids, attention_mask, position_ids)  # [B, T, H]
+        start = 0 if prompt_length is None else prompt_length - 1
+        window = hidden[:, start:-1]
     # Positions t predict token t+1; prompt positions are dropped before the lm-head.
     keep = mask[:, start:].bool()  # [B, T-1-start]
-    h = hidden[:, start:-1][keep]  # [N, H]
+    h = window[keep]  # [N, H]
     targets = input_ids[:, 1:][:, start:][keep]  # [N]
     out = fused_token_logprobs(h, split.weight, targets, temperature, return_entropy=return_entropy)
     logp_n, entropy_n = out if return_entropy else (out, None)

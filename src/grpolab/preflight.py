@@ -41,6 +41,7 @@ def settings_from_config(cfg: Config) -> PreflightSettings:
         max_completion_length=cfg.rollout.max_completion_length,
         engine_gap_max=limits_for(t, cfg.model.dtype).engine_gap,
         seed=cfg.seed,
+        shared_prefix=t.shared_prefix,
     )
 
 
@@ -119,7 +120,7 @@ def check_fused_logprobs(model, batch: PreflightBatch, s: PreflightSettings):
     """The trainer's memory-efficient log-probs against the seed's code on this model:
     values and the gradient reaching the model's parameters."""
     from grpolab import core
-    from grpolab.logprobs import split_model, token_logprobs
+    from grpolab.logprobs import shared_prefix_status, split_model, token_logprobs
 
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
     valid = batch.completion_mask[:, 1:].bool()
@@ -133,7 +134,10 @@ def check_fused_logprobs(model, batch: PreflightBatch, s: PreflightSettings):
         model.zero_grad(set_to_none=True)
         return logp.detach(), grads
 
-    fused, fused_grads = values_and_grads(token_logprobs)
+    def trainers(model, *args):
+        return token_logprobs(model, *args, shared_prefix=s.shared_prefix)
+
+    fused, fused_grads = values_and_grads(trainers)
     naive, naive_grads = values_and_grads(core.sequence_logprobs)
     gap = _max_gap(fused[valid], naive[valid])
     scale = max((float(g.abs().max()) for g in naive_grads), default=1.0) or 1.0
@@ -143,6 +147,9 @@ def check_fused_logprobs(model, batch: PreflightBatch, s: PreflightSettings):
     grad_gap /= scale
     reason = split_model(model).reason
     path = "fused" if reason is None else f"naive fallback ({reason})"
+    if reason is None and s.shared_prefix:
+        why_not = shared_prefix_status(model, *args[:3])
+        path += ", one forward per prompt" if why_not is None else f", one per row ({why_not})"
     tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2
     yield CheckResult(
         "logprobs.fused_vs_naive",

@@ -80,7 +80,7 @@ class NonFiniteError(RuntimeError):
 CoreFns = CoreImpl
 
 
-def default_core(logprobs_impl: str = "fused") -> CoreFns:
+def default_core(logprobs_impl: str = "fused", shared_prefix: bool = True) -> CoreFns:
     """grpolab.core, with the memory-efficient grpolab.logprobs for the log-probs."""
     fns = CoreImpl()
     if logprobs_impl != "core":
@@ -88,7 +88,13 @@ def default_core(logprobs_impl: str = "fused") -> CoreFns:
 
         def sequence_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0):
             return token_logprobs(
-                model, input_ids, attention_mask, completion_mask, temperature, impl=logprobs_impl
+                model,
+                input_ids,
+                attention_mask,
+                completion_mask,
+                temperature,
+                impl=logprobs_impl,
+                shared_prefix=shared_prefix,
             )
 
         fns.sequence_logprobs = sequence_logprobs
@@ -112,6 +118,17 @@ def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return f
+
+
+def fused_adamw_ok(params: list[torch.Tensor]) -> bool:
+    """AdamW's fused kernel (one kernel per tensor, ~2x faster steps on small models) takes
+    plain floating-point tensors on CPU or CUDA; sharded DTensors keep the default."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(
+        not isinstance(p, DTensor) and p.is_floating_point() and p.device.type in ("cpu", "cuda")
+        for p in params
+    )
 
 
 def unit_count(mode: str, unit_mask: torch.Tensor) -> float:
@@ -287,7 +304,8 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
             # gradients are the single-process gradient of the global unit.
             unit_total = dist_module.all_sum(unit_count(t.loss_type, unit_mask), d)
             for m_start in range(0, mini, micro):
-                idx = unit[m_start : m_start + micro]
+                # Ascending rows keep a group's samples adjacent (one prompt forward each).
+                idx = unit[m_start : m_start + micro].sort().values
                 with autocast(t.autocast, dev):  # the forward only; backward outside
                     logp, mask = C.sequence_logprobs(
                         model,
@@ -593,7 +611,7 @@ def make_run(
     """Task, rewards, engine, reference copy, optimizer and LR schedule around `model`;
     under data parallel the model is sharded (fsdp) or made equal on every rank (ddp) first."""
     t = cfg.trainer
-    core = core or default_core(t.logprobs)
+    core = core or default_core(t.logprobs, t.shared_prefix)
     check_core_supports(core, cfg)
     d = dist or Dist()
     if d.on:
@@ -612,11 +630,13 @@ def make_run(
     elif d.on:
         dist_module.broadcast_parameters(model)
     steps_per_batch = t.num_iterations * (cfg.batch_size // (t.mini_batch_size or cfg.batch_size))
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],  # LoRA: the adapters alone
+        trained,
         lr=t.learning_rate,
         betas=(t.adam_beta1, t.adam_beta2),
         weight_decay=t.weight_decay,
+        fused=fused_adamw_ok(trained) or None,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(t.lr_scheduler, t.warmup_steps, cfg.max_steps * steps_per_batch)
