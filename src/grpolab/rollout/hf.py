@@ -1,10 +1,10 @@
 """The default rollout engine: a decode loop on the training model itself (transformers
 forward with a KV cache).
 
-Prompts left-padded; the G samples of a prompt contiguous. Each prompt but its last token is
-prefilled once and its KV cache repeated G times (the G samples share it), then the loop
-samples one token per row per step, temperature first, then top-k, then top-p (the order of
-transformers' `generate`). Rows that have produced a stop token leave the batch and the
+Prompts left-padded; the G samples of a prompt contiguous. Each prompt is prefilled once, its
+KV cache and first-token distribution repeated G times (the G samples share them); then the
+loop samples one token per row per step, temperature first, then top-k, then top-p (the order
+of transformers' `generate`). Rows that have produced a stop token leave the batch and the
 cache, so later steps only run the rows still writing. Sampling draws from a generator
 seeded with `SamplingParams.seed`: the global RNG is untouched and a resumed run samples the
 same. Temperature 0 is greedy decoding; its log-probs are reported at temperature 1.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from grpolab.rollout.base import Rollout, SamplingParams
 from grpolab.rollout.common import (
@@ -161,22 +162,27 @@ def decode(
     mask = attention_mask.repeat_interleave(G, dim=0)  # [B, P]
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P]
     cache = None
-    if shared_prefill and G > 1 and input_ids.shape[1] > 1 and keep_logits and not sharded:
-        cache = prefill_once_per_prompt(model, input_ids, attention_mask, G)
+    if shared_prefill and G > 1 and keep_logits and not sharded:
+        # The G samples of a prompt share its whole forward, the first token's distribution
+        # included: one row per prompt, repeated G times.
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions[::G],
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = out.past_key_values
+        if type(cache) is DynamicCache and all(type(x) is DynamicLayer for x in cache.layers):
+            cache.batch_repeat_interleave(G)
+            out.logits = out.logits.repeat_interleave(G, dim=0)
+        else:  # sliding-window, hybrid: not a plain per-layer concatenation
+            cache = None
     if cache is None:
         out = model(
             input_ids=input_ids.repeat_interleave(G, dim=0),
             attention_mask=mask,
             position_ids=positions,
-            use_cache=True,
-            **last_only,
-        )
-    else:  # the prompts' last token, against the shared prefix
-        out = model(
-            input_ids=input_ids[:, -1:].repeat_interleave(G, dim=0),
-            attention_mask=mask,
-            position_ids=positions[:, -1:],
-            past_key_values=cache,
             use_cache=True,
             **last_only,
         )
@@ -225,24 +231,3 @@ def decode(
             completions[i].append(t)
             logprobs[i].append(v)
     return completions, logprobs
-
-
-def prefill_once_per_prompt(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, G: int):
-    """KV cache of each prompt but its last token, computed once and repeated G times:
-    [n, P] prompts -> a cache of [n * G] rows and P - 1 positions, or None where the model's
-    cache is not a plain per-layer concatenation (sliding-window, hybrid: full prefill)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    mask = attention_mask[:, :-1]  # [n, P-1]
-    out = model(
-        input_ids=input_ids[:, :-1],
-        attention_mask=mask,
-        position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache = out.past_key_values
-    if type(cache) is not DynamicCache or any(type(x) is not DynamicLayer for x in cache.layers):
-        return None
-    cache.batch_repeat_interleave(G)
-    return cache
