@@ -184,10 +184,13 @@ def rollout_vllm(out: Path) -> None:
 
 def train(out: Path) -> None:
     """A few GRPO optimizer steps on 64 sequences of 128 prompt + 256 completion tokens:
-    fp32 master weights under bf16 autocast, and bf16 weights; gradient checkpointing off/on.
-    Time split: log-prob forward, backward, optimizer step."""
+    fp32 master weights under bf16 autocast, and bf16 weights; gradient checkpointing off/on;
+    then 8 prompts x G = 8 (rows of a group share the prompt) with one forward per row, one per
+    prompt (trainer.shared_prefix), and one per prompt with the layers' parts compiled
+    (trainer.torch_compile). Time split: log-prob forward, backward, optimizer step."""
     from grpolab import core
     from grpolab.logprobs import token_logprobs
+    from grpolab.trainer import compile_decoder_layers
 
     B, T, P = (4 if SMOKE else 64), PROMPT_LEN + NEW_TOKENS, PROMPT_LEN
     g = torch.Generator().manual_seed(1)
@@ -196,17 +199,28 @@ def train(out: Path) -> None:
     completion_mask = torch.zeros_like(input_ids)
     completion_mask[:, P:] = 1
     advantages = torch.randn(B, generator=g).to(DEVICE)
+    grouped = input_ids.clone()
+    grouped[:, :P] = input_ids[::GROUP, :P].repeat_interleave(GROUP, dim=0)[:B]
     rows = []
-    for weights, autocast, ckpt in (
-        (torch.float32, True, False),
-        (torch.float32, True, True),
-        (torch.bfloat16, False, False),
+    for weights, autocast, ckpt, groups, shared, compiled in (
+        (torch.float32, True, False, False, True, False),
+        (torch.float32, True, True, False, True, False),
+        (torch.bfloat16, False, False, False, True, False),
+        (torch.bfloat16, False, False, True, False, False),
+        (torch.bfloat16, False, False, True, True, False),
+        (torch.bfloat16, False, False, True, True, True),
     ):
         label = f"{'fp32 master + bf16 autocast' if autocast else 'bf16 weights'}" + (
             ", grad checkpointing" if ckpt else ""
         )
+        if groups:
+            label += f", G={GROUP} groups, one forward per {'prompt' if shared else 'row'}"
+            label += ", torch_compile" if compiled else ""
+        ids = grouped if groups else input_ids
         try:
             model = build_model(weights).train()
+            if compiled:
+                compile_decoder_layers(model)
             if ckpt:
                 model.gradient_checkpointing_enable()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -216,7 +230,9 @@ def train(out: Path) -> None:
             for step in range(4):  # the first is warm-up
                 tic = time.perf_counter()
                 with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
-                    logp, mask = token_logprobs(model, input_ids, attention_mask, completion_mask)
+                    logp, mask = token_logprobs(
+                        model, ids, attention_mask, completion_mask, shared_prefix=shared
+                    )
                     loss, _ = core.grpo_loss(logp, logp.detach(), None, advantages, mask)
                 sync()
                 t1 = time.perf_counter()

@@ -56,9 +56,9 @@ for name in ("vllm", "peft", "flash_attn"):
 EOF
 say "GPUs visible: $NGPU"
 
-part rollout_hf 150 "$PY" bench/gpu_check.py rollout-hf "$OUT"
-part rollout_vllm 150 "$PY" bench/gpu_check.py rollout-vllm "$OUT"
-part train 100 "$PY" bench/gpu_check.py train "$OUT"
+part rollout_hf 120 "$PY" bench/gpu_check.py rollout-hf "$OUT"
+part rollout_vllm 120 "$PY" bench/gpu_check.py rollout-vllm "$OUT"
+part train 160 "$PY" bench/gpu_check.py train "$OUT"
 part logprobs 90 "$PY" bench/logprobs.py --device cuda --dtype bfloat16 --shapes qwen0.5b \
     --variants naive,fused,floor --repeats 3 --json "$OUT/logprobs.json"
 

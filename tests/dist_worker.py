@@ -1,6 +1,9 @@
 """Run under `torchrun --nproc_per_node 2`: one GRPO step per aggregation mode on a global
 batch split over the ranks, then a short demo run with checkpoints. Rank 0 writes the
-parameters it ends with to argv[2] for tests/test_distributed.py to compare."""
+parameters it ends with to argv[2] for tests/test_distributed.py to compare.
+
+Modes "vllm-fsdp" and "vllm-lora": one vLLM engine per rank, synced from FSDP2 shards and
+from a LoRA model under DDP (see vllm_main)."""
 
 from __future__ import annotations
 
@@ -58,9 +61,65 @@ def demo_overrides(out: Path, mode: str) -> list[str]:
     ]
 
 
+def vllm_overrides(out: Path, mode: str, *extra: str) -> list[str]:
+    return [
+        *demo_overrides(out, mode),
+        "rollout.engine=vllm",
+        "rollout.vllm_max_model_len=64",
+        *extra,
+    ]
+
+
+CORRUPTED = "model.layers.1.mlp.down_proj.weight"
+
+
+def vllm_steps(cfg, d=None) -> dict[str, object]:
+    """Two GRPO steps sampled by vLLM (a weight sync, checked, after each); then rank 1's engine
+    (the only one, on one process) gets a corrupted copy of one tensor and checks it."""
+    from grpolab.rollout.vllm import WeightSyncError, engine_state_dict
+
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    run = make_run(cfg, model, tokenizer, dist=d)
+    try:
+        gaps = [grpo_step(run, step)[0]["engine/sync_gap"] for step in (1, 2)]
+        params = dist_module.full_state_dict(run.model)  # on rank 0
+        state = engine_state_dict(run.model)  # whole tensors on every rank (a collective)
+        rank = d.rank if d is not None else 1
+        if rank == 1:
+            state[CORRUPTED] = state[CORRUPTED] * 1.5
+        run.engine.load_weights(state)
+        try:
+            run.engine.check_sync(run.model)
+            caught = False
+        except WeightSyncError:
+            caught = True
+        if d is not None:  # per rank, gathered while the process group still exists
+            gaps = dist_module.all_gather_objects(gaps, d)
+            caught = dist_module.all_gather_objects(caught, d)
+    finally:
+        run.engine.close()  # vLLM's teardown destroys the default process group too
+    return {"params": params, "gaps": gaps, "caught": caught}
+
+
+def vllm_main(mode: str, out: Path) -> None:
+    """vllm-fsdp: two steps on FSDP2 shards (vllm_steps). vllm-lora: a LoRA run under DDP with
+    its checkpoints. One launch each: vLLM's teardown destroys the default process group, and
+    a second group in the same torchrun processes could meet the first one's store keys."""
+    cpu = torch.device("cpu")
+    if mode == "vllm-fsdp":
+        d = dist_module.init("fsdp", cpu)
+        results = vllm_steps(load_config(None, vllm_overrides(out / "unused", "fsdp")), d)
+        if d.main:
+            torch.save(results, out / "split.pt")
+    else:
+        train(load_config(None, vllm_overrides(out / "lora", "ddp", "trainer.lora_r=4")))
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
+    if mode.startswith("vllm-"):
+        return vllm_main(mode, out)
     d = dist_module.init(mode, torch.device("cpu"))
     assert d.world == 2, d
     results: dict[str, object] = {}

@@ -23,7 +23,7 @@ from grpolab.config import ConfigError, load_config, validate_world
 from grpolab.trainer import grpo_step, load_start_model, make_run, train
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_worker import MODES, demo_overrides, full_grads, split_config
+from dist_worker import MODES, demo_overrides, full_grads, split_config, vllm_overrides, vllm_steps
 
 WORKER = Path(__file__).parent / "dist_worker.py"
 # fp32: the ranks' reduction order differs from one pass. Adam's first step divides by
@@ -55,7 +55,8 @@ def launch(mode: str, out: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(out / "split.pt", weights_only=False)
+    results = out / "split.pt"
+    return torch.load(results, weights_only=False) if results.exists() else {}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -133,6 +134,39 @@ def test_two_ranks_equal_one_process(tmp_path, one_process, mode):
     train(cfg, resume=True, skip_preflight=True)
     diff = max_diff(weights(resumed / "checkpoint-2"), two_final)
     print(f"{mode} 2-rank checkpoint resumed on 1 rank: max |param diff| {diff:.2e}")
+    assert diff < 1e-5
+
+
+@pytest.fixture(scope="module")
+def one_process_vllm(tmp_path_factory):
+    """One process, one vLLM engine: the same two steps and the same LoRA run as the ranks."""
+    from test_rollout_vllm import _require_vllm
+
+    _require_vllm()
+    out = tmp_path_factory.mktemp("one-vllm")
+    torch.set_num_threads(1)
+    steps = vllm_steps(load_config(None, vllm_overrides(out / "unused", "fsdp")))
+    train(load_config(None, vllm_overrides(out / "lora", "ddp", "trainer.lora_r=4")))
+    return out, steps
+
+
+def test_one_vllm_engine_per_rank_synced_from_shards_and_from_lora(tmp_path, one_process_vllm):
+    """Each rank samples with its own engine; after every update each engine is loaded from
+    the gathered FSDP2 shards (or the merged LoRA weights under DDP) and passes its canary."""
+    one_dir, one = one_process_vllm
+    two = launch("vllm-fsdp", tmp_path)
+    for gaps in two["gaps"]:  # per rank, both syncs
+        assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
+    # Only rank 1's engine got the corrupted tensor, and only its check failed.
+    assert two["caught"] == [False, True] and one["caught"] is True
+    diff = max_diff(two["params"], one["params"])
+    print(f"fsdp + vLLM, 2 steps: max |param diff| 2 ranks vs 1 process {diff:.2e}")
+    assert diff < 1e-5
+    launch("vllm-lora", tmp_path)
+    diff = max_diff(
+        weights(tmp_path / "lora" / "checkpoint-2"), weights(one_dir / "lora" / "checkpoint-2")
+    )
+    print(f"ddp + LoRA + vLLM, 2 steps: max |param diff| {diff:.2e}")
     assert diff < 1e-5
 
 

@@ -77,7 +77,7 @@ def test_preflight_passes_on_a_lora_model(tmp_path):
     failed = [r.id for r in results if not r.passed]
     assert results and not failed, failed
     fused = [r for r in results if r.id == "logprobs.fused_vs_naive"]
-    assert fused and fused[0].what.startswith("fused:"), fused[0].what  # no naive fallback
+    assert fused and fused[0].what.startswith("fused,"), fused[0].what  # no naive fallback
 
 
 def test_resume_is_bit_exact_with_lora(tmp_path):
@@ -130,7 +130,6 @@ def test_the_checkpoint_is_the_merged_policy(tmp_path):
         ("trainer.lora_r=-1", "trainer.lora_r"),
         ("trainer.lora_dropout=1.0", "trainer.lora_dropout"),
         ("trainer.lora_dropout=-0.1", "trainer.lora_dropout"),
-        ("rollout.engine=vllm", "rollout.engine"),
     ],
 )
 def test_config_errors_name_the_key(tmp_path, override, key):
@@ -139,8 +138,40 @@ def test_config_errors_name_the_key(tmp_path, override, key):
     assert "\n" not in str(e.value)
 
 
-def test_lora_under_torchrun_is_refused(tmp_path):
+def test_lora_under_fsdp_is_refused_and_allowed_under_ddp(tmp_path):
     cfg = lora_config(tmp_path, "trainer.distributed=fsdp")
     with pytest.raises(ConfigError, match=r"trainer\.lora_r.*distributed=fsdp"):
         validate_world(cfg, 2)
-    validate_world(lora_config(tmp_path, "trainer.lora_r=0"), 2)  # full fine-tuning: allowed
+    validate_world(lora_config(tmp_path, "trainer.distributed=ddp"), 2)
+    validate_world(lora_config(tmp_path, "trainer.lora_r=0", "trainer.distributed=fsdp"), 2)
+
+
+def test_vllm_rollouts_sample_the_merged_policy(tmp_path):
+    """The engine gets W + scaling * B @ A for every adapted layer, checked by the canary after
+    every sync; a sync that forgets the adapters is caught by that check."""
+    from test_rollout_vllm import _require_vllm
+
+    _require_vllm()
+    from grpolab.rollout.vllm import WeightSyncError, engine_state_dict
+
+    cfg = lora_config(tmp_path, "rollout.engine=vllm", "rollout.vllm_max_model_len=64")
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    run = make_run(cfg, model, tokenizer)
+    try:
+        for step in (1, 2):
+            metrics, _ = grpo_step(run, step)
+            assert metrics["skipped"] == 0 and metrics["engine/sync_gap"] < 1e-4
+        merged = engine_state_dict(run.model)
+        reference = copy.deepcopy(run.model).merge_and_unload().state_dict()  # peft's own merge
+        assert merged.keys() == reference.keys()
+        for name, tensor in reference.items():
+            torch.testing.assert_close(merged[name], tensor, atol=1e-6, rtol=0, msg=name)
+        inner = base_weights(run.model.get_base_model())
+        base = {k.replace(".base_layer.", "."): v for k, v in inner.items()}
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert (merged[name] - base[name]).abs().max() > 1e-6  # the adapters have moved
+        run.engine.load_weights(base)  # the adapters left out
+        with pytest.raises(WeightSyncError, match="not running the trainer's weights"):
+            run.engine.check_sync(run.model)
+    finally:
+        run.engine.close()

@@ -93,6 +93,10 @@ class TrainerConfig:
     rollout_split: str = "local"
     # Recompute each decoder layer's activations in backward: less memory, ~30% more compute.
     gradient_checkpointing: bool = False
+    # torch.compile each decoder layer (dynamic shapes, one graph shared by the layers): fuses
+    # the norms, rotary and MLP elementwise ops. Pays on GPUs over a long run; on a CPU the
+    # first steps spend minutes compiling (bench/README.md).
+    torch_compile: bool = False
     # bf16: the model's forwards run under bf16 autocast (matmuls in bfloat16, log-softmax
     # still float32) while weights, gradients and AdamW stay in model.dtype (fp32 master).
     autocast: str = "off"
@@ -368,13 +372,6 @@ def validate(cfg: Config) -> None:
     _need(0 <= t.lora_dropout < 1, "trainer.lora_dropout", t.lora_dropout, "a number in [0, 1)")
     if t.lora_r > 0:
         _need(bool(t.lora_target_modules), "trainer.lora_target_modules", [], "module names")
-        # The vLLM weight sync sends the policy's own state dict, not merged LoRA weights.
-        _need(
-            cfg.rollout.engine != "vllm",
-            "rollout.engine",
-            cfg.rollout.engine,
-            "hf when trainer.lora_r > 0 (LoRA with vLLM rollouts is not supported yet)",
-        )
     r = cfg.rollout
     _need(r.engine in ENGINES, "rollout.engine", r.engine, f"one of {list(ENGINES)}")
     # Training samples at temperature > 0 (0 is greedy: no spread within a group).
@@ -390,10 +387,10 @@ def validate_world(cfg: Config, world: int) -> None:
     """Data parallel over `world` ranks: whole groups per rank, equal shares everywhere."""
     t = cfg.trainer
     _need(
-        t.lora_r == 0,
+        t.lora_r == 0 or t.distributed == "ddp",
         "trainer.lora_r",
         t.lora_r,
-        f"0 under trainer.distributed={t.distributed} (LoRA trains on one process for now)",
+        "0 under trainer.distributed=fsdp (LoRA's adapters are small: use distributed=ddp)",
     )
     _need(
         t.prompts_per_step % world == 0,

@@ -168,14 +168,18 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state dict on CPU on every rank (a collective for a sharded model)."""
+def full_state_dict(model: torch.nn.Module, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on CPU (a collective for a sharded model): on rank 0 only
+    (the others get {}; enough to save a checkpoint), or on every rank (each rank's engine)."""
     if not is_sharded(model):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
-    return get_model_state_dict(model, options=opts)
+    # cpu_offload gathers straight to rank 0's host memory; without it every rank gets the
+    # whole tensors on its device, copied to the host one by one.
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank)
+    state = get_model_state_dict(model, options=opts)
+    return {k: v.detach().cpu() for k, v in state.items()} if every_rank else state
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -120,6 +120,34 @@ def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
     return f
 
 
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """torch.compile, in place, each part of every decoder layer that maps one tensor to one
+    tensor (the MLP, the norms): their elementwise chains fuse into a few kernels, and the
+    same code in every layer compiles to one graph. Attention stays eager: it takes the KV
+    cache and its layer index, which would compile a graph per layer. Returns the count."""
+    import inspect
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    parts = []
+    for layer in model.modules():
+        if not isinstance(layer, GradientCheckpointingLayer):
+            continue
+        for child in layer.children():
+            params = inspect.signature(child.forward).parameters.values()
+            required = [p for p in params if p.default is inspect.Parameter.empty]
+            if len(required) == 1 and required[0].kind != inspect.Parameter.VAR_POSITIONAL:
+                parts.append(child)
+    if not parts:
+        raise ValueError(
+            f"trainer.torch_compile=true: {type(model).__name__} has no transformers decoder "
+            "layer parts (GradientCheckpointingLayer children taking one tensor) to compile"
+        )
+    for part in parts:
+        part.compile(dynamic=True)
+    return len(parts)
+
+
 def fused_adamw_ok(params: list[torch.Tensor]) -> bool:
     """AdamW's fused kernel (one kernel per tensor, ~2x faster steps on small models) takes
     plain floating-point tensors on CPU or CUDA; sharded DTensors keep the default."""
@@ -623,6 +651,8 @@ def make_run(
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if t.torch_compile:  # before sharding: fully_shard wraps the compiled layers
+        compile_decoder_layers(model)
     if d.on and d.mode == "fsdp":
         model = dist_module.shard(model)
         if ref_model is not None:
@@ -898,6 +928,9 @@ def train(
         "eval_examples": min(t.eval_examples, len(task.eval)),
     }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    close_engine = getattr(run.engine, "close", None)
+    if callable(close_engine):  # vLLM tears its process groups down: before the trainer's
+        close_engine()
     if d.on:
         dist_module.shutdown()
     if accuracy_before is not None and accuracy_after is not None:

@@ -75,6 +75,15 @@ def import_vllm():
     return vllm
 
 
+def launched_kwargs() -> dict[str, str]:
+    """Under torchrun every rank holds its own engine (tensor parallel size 1) on its own
+    device: vLLM's external launcher runs it in this process, inside torchrun's world."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return {}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return {"distributed_executor_backend": "external_launcher"}
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker (LLM(worker_extension_cls=...)): receives new weights."""
 
@@ -116,6 +125,47 @@ def state_dict_bytes(state: dict[str, torch.Tensor]) -> bytes:
     return save({k: v.detach().cpu().contiguous().clone() for k, v in state.items()})
 
 
+def engine_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights an inference engine loads for `model`: whole tensors on CPU under the base
+    model's own names. FSDP2 shards are gathered (a collective: every rank calls this); LoRA
+    adapters are merged into their base weights (W + scaling * B @ A, computed aside: the
+    trained model is not touched)."""
+    from grpolab.dist import full_state_dict
+
+    get_base = getattr(model, "get_base_model", None)
+    if not callable(get_base):
+        return full_state_dict(model, every_rank=True)
+    base = get_base()  # a peft PeftModel's model, with LoRA layers wrapping base layers
+    merged = {
+        name.replace(".base_layer.", "."): tensor.detach().cpu()
+        for name, tensor in base.state_dict().items()
+        if "lora_" not in name
+    }
+    for name, module in base.named_modules():
+        if not (hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")):
+            continue
+        if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+            continue  # already inside the base weight / switched off
+        for adapter in module.active_adapters:
+            delta = module.get_delta_weight(adapter).detach().cpu()
+            merged[f"{name}.weight"] = merged[f"{name}.weight"] + delta
+    return merged
+
+
+def save_for_engine(model: torch.nn.Module, tokenizer, path: str | Path) -> None:
+    """A Hugging Face directory an engine can start from, written on every rank (transformers'
+    save_pretrained writes on rank 0 only under torch.distributed)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    base.config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    # Own copies: safetensors refuses tensors that share memory (tied embeddings).
+    weights = {name: t.contiguous().clone() for name, t in engine_state_dict(model).items()}
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
 class VLLMEngine:
     """RolloutEngine on a vLLM `LLM` loaded from a Hugging Face model directory."""
 
@@ -153,6 +203,7 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 worker_extension_cls=f"{__name__}.WeightSyncExtension",
                 seed=seed,
+                **launched_kwargs(),
             )
         config = self.llm.llm_engine.model_config
         self.context_length = config.max_model_len
@@ -189,8 +240,7 @@ class VLLMEngine:
             engine.sync_weights(model)
             return engine
         with tempfile.TemporaryDirectory(prefix="grpolab-vllm-") as tmp:
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
+            save_for_engine(model, tokenizer, tmp)
             return cls(tmp, tokenizer, **kwargs)
 
     def close(self) -> None:
@@ -202,8 +252,9 @@ class VLLMEngine:
             del llm
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Load `model`'s weights into the engine, then verify them (`check_sync`)."""
-        self.load_weights(model.state_dict())
+        """Load `model`'s weights into the engine, then verify them (`check_sync`). A sharded
+        (FSDP2) model is gathered first, a LoRA model merged: every rank must call this."""
+        self.load_weights(engine_state_dict(model))
         self.check_sync(model)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
