@@ -43,12 +43,12 @@ if SMOKE:
 
 def sync() -> None:
     if DEVICE == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def reset_peak() -> None:
     if DEVICE == "cuda":
-        reset_peak()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def peak_gib() -> float:
@@ -69,7 +69,9 @@ def prompt_ids(device: str = DEVICE) -> torch.Tensor:
     return torch.randint(10, high, (PROMPTS, PROMPT_LEN), generator=g).to(device)
 
 
-def write(out: Path, name: str, rows: list[dict]) -> None:
+def write(out: Path, name: str, rows: list[dict], show: bool = True) -> None:
+    """rows as OUT/name.json and OUT/name.md; show: print the table too (once, at the end:
+    earlier calls only keep what is measured when a part runs out of time)."""
     (out / f"{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
     if not rows:
         return
@@ -79,7 +81,8 @@ def write(out: Path, name: str, rows: list[dict]) -> None:
         lines.append("| " + " | ".join(_fmt(r.get(k)) for k in keys) + " |")
     table = "\n".join(lines)
     (out / f"{name}.md").write_text(table + "\n")
-    print(table, flush=True)
+    if show:
+        print(table, flush=True)
 
 
 def _fmt(v) -> str:
@@ -87,8 +90,9 @@ def _fmt(v) -> str:
 
 
 def rollout_hf(out: Path) -> None:
-    """transformers generate on 16 prompts x 8 samples x 256 new tokens, bf16: the default
-    dynamic cache, then the static cache with the compiled decode step."""
+    """16 prompts x 8 samples x 256 new tokens, bf16: grpolab's decode loop (each prompt
+    prefilled once for its 8 samples), transformers generate with the default dynamic cache,
+    with the static cache and the compiled decode step, and continuous batching."""
     model = build_model(torch.bfloat16)
     ids = prompt_ids().repeat_interleave(GROUP, dim=0)  # [128, 128]
     mask = torch.ones_like(ids)
@@ -133,7 +137,59 @@ def rollout_hf(out: Path) -> None:
         except Exception as e:  # a fast path this transformers/torch pair lacks
             rows.append({"engine": label, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             print(f"{label}: failed: {e}", flush=True)
+    write(out, "rollout_hf", rows, show=False)  # kept if a later row runs out of time
+    for label, fn in (
+        ("grpolab decode loop (shared prefill)", grpolab_decode),
+        ("hf continuous batching", continuous_batching),
+    ):
+        rows.append(timed_rollout(label, fn, model))
+        write(out, "rollout_hf", rows, show=False)
     write(out, "rollout_hf", rows)
+
+
+def timed_rollout(label: str, fn, model) -> dict:
+    """Run fn(model) -> new tokens twice (warm-up, timed); a failure becomes an error row."""
+    try:
+        for _attempt in ("warm-up", "timed"):
+            sync()
+            reset_peak()
+            tic = time.perf_counter()
+            new = fn(model)
+            sync()
+            seconds = time.perf_counter() - tic
+        return {
+            "engine": label,
+            "sequences": PROMPTS * GROUP,
+            "new_tokens": new,
+            "seconds": seconds,
+            "tokens_per_s": new / seconds,
+            "peak_gib": peak_gib(),
+        }
+    except Exception as e:
+        print(f"{label}: failed: {e}", flush=True)
+        return {"engine": label, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+def grpolab_decode(model) -> int:
+    from grpolab.rollout.base import SamplingParams
+    from grpolab.rollout.hf import decode
+
+    ids = prompt_ids()
+    params = SamplingParams(temperature=1.0, max_completion_length=NEW_TOKENS, seed=0)
+    # stop id -1 never occurs: random weights, fixed work (every row writes NEW_TOKENS)
+    completions, _ = decode(model, ids, torch.ones_like(ids), GROUP, params, [-1], 0)
+    return sum(len(c) for c in completions)
+
+
+def continuous_batching(model) -> int:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0,
+        top_k=0, num_return_sequences=GROUP, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    outputs = model.generate_batch(inputs=prompt_ids().tolist(), generation_config=config)
+    return sum(len(o.generated_tokens) for o in outputs.values())
 
 
 def rollout_vllm(out: Path) -> None:
@@ -252,6 +308,7 @@ def train(out: Path) -> None:
             row["step_s"] = row["forward_s"] + row["backward_s"] + row["optimizer_s"]
             row["peak_gib"] = peak_gib()
             rows.append(row)
+            write(out, "train", rows, show=False)
             del model, opt
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
