@@ -182,3 +182,24 @@ def test_truncation_matches_transformers_warpers(top_k, top_p):
     got = truncate(scaled, top_k, top_p)
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     torch.testing.assert_close(got[~torch.isinf(got)], scaled[~torch.isinf(got)])
+
+
+def test_engine_on_a_sliding_window_model_prefills_per_row_and_reports_true_logprobs(tokenizer):
+    """A sliding-window cache is not repeated per group: the engine prefills every row, and
+    dropping finished rows from that cache still gives the model's own log-probs."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+        use_sliding_window=True, sliding_window=6, max_window_layers=0,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config)
+    shift = torch.zeros(len(tokenizer))
+    shift[tokenizer.eos_token_id] = 3.0  # rows finish at many different steps
+    model.lm_head.register_forward_hook(lambda module, args, out: out + shift)
+    params = SamplingParams(max_completion_length=10, seed=3)
+    r = HFEngine(model, tokenizer).generate(PROMPTS, 3, params)
+    assert len(set(r.completion_mask.sum(1).tolist())) > 2
+    logp, mask = core.sequence_logprobs(model, r.input_ids, r.attention_mask, r.completion_mask)
+    torch.testing.assert_close(r.engine_logprobs, logp * mask, atol=1e-4, rtol=0)
