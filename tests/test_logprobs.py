@@ -403,11 +403,23 @@ def test_unannounced_logit_transform_is_caught_by_the_probe(tokenizer, caplog):
     _assert_falls_back(model, tokenizer, caplog, "differ from the model's logits")
 
 
-def test_autocast_falls_back(model, tokenizer, caplog):
+def test_autocast_takes_the_fused_path_in_autocasts_dtype(model, tokenizer, caplog):
+    """Under bf16 autocast the model's own head gives bf16 logits; the tiles are computed in
+    bf16 too, so fused and naive agree to bf16 rounding of the logits (not to float32)."""
     batch, _ = _batch(tokenizer, PROMPTS, COMPLETIONS)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-    with caplog.at_level(logging.WARNING, logger="grpolab"), torch.no_grad(), autocast:
+    params = [p for p in model.parameters() if p.requires_grad]
+    with caplog.at_level(logging.WARNING, logger="grpolab"), autocast:
         ours, mask = token_logprobs(model, *batch)
         ref, _ = core.sequence_logprobs(model, *batch)
-    assert torch.equal(ours, ref * mask)
-    assert any("autocast" in r.getMessage() for r in caplog.records)
+    assert not caplog.records  # no fallback
+    assert ours.dtype == torch.float32
+    gap = (ours - ref * mask).abs().max()
+    assert 0 < gap <= 4e-3  # bf16 logits: about one unit in their last place
+    fp32, _ = token_logprobs(model, *batch)  # outside autocast
+    assert (fp32 - ours).abs().max() > gap  # float32 logits differ more: the dtype was used
+    got = torch.autograd.grad((ours * mask).sum(), params, allow_unused=True)
+    want = torch.autograd.grad((ref * mask).sum(), params, allow_unused=True)
+    for a, b in zip(got, want, strict=True):
+        if b is not None:
+            assert (a - b).abs().max() <= 2e-2 * b.abs().max()

@@ -435,8 +435,9 @@ def _verdict_once(verdicts, model, failure: str, probe) -> str | None:
         return verdicts[model]
     was_training = model.training
     model.eval()
-    try:
-        with torch.no_grad():
+    device_type = next(model.parameters()).device.type
+    try:  # in the model's own precision: autocast's rounding would blur what is checked
+        with torch.no_grad(), torch.autocast(device_type, enabled=False):
             reason = probe()
     except Exception as e:  # any model that cannot be called this way takes the other path
         reason = f"{failure}: {type(e).__name__}: {e}"
@@ -679,8 +680,11 @@ def token_logprobs(
         split = split_model(model)
         reason = split.reason
         device_type = input_ids.device.type
-        if reason is None and torch.is_autocast_enabled(device_type):
-            reason = "autocast is on: the lm-head's output dtype is autocast's choice"
+        # Under autocast the model's own head computes its logits in autocast's dtype; the
+        # tiles do the same (hidden states and weight cast to it, float32 from there on).
+        head_dtype = None
+        if torch.is_autocast_enabled(device_type):
+            head_dtype = torch.get_autocast_dtype(device_type)
         if reason is None:
             reason = _verify_split(model, split, input_ids, attention_mask)
         if reason is None:
@@ -694,6 +698,7 @@ def token_logprobs(
                 return_entropy,
                 prompt_length,
                 shared_prefix,
+                head_dtype,
             )
         _warn_once(model, reason)
     return _naive(model, input_ids, attention_mask, completion_mask, temperature, return_entropy)
@@ -744,6 +749,7 @@ def _fused(
     return_entropy,
     prompt_length,
     shared_prefix=True,
+    head_dtype=None,
 ):
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     mask = completion_mask[:, 1:].float()  # [B, T-1]
@@ -769,7 +775,10 @@ def _fused(
     keep = mask[:, start:].bool()  # [B, T-1-start]
     h = window[keep]  # [N, H]
     targets = input_ids[:, 1:][:, start:][keep]  # [N]
-    out = fused_token_logprobs(h, split.weight, targets, temperature, return_entropy=return_entropy)
+    weight = split.weight
+    if head_dtype is not None:  # autocast: the head's matmul in its dtype, as the model's own
+        h, weight = h.to(head_dtype), weight.to(head_dtype)
+    out = fused_token_logprobs(h, weight, targets, temperature, return_entropy=return_entropy)
     logp_n, entropy_n = out if return_entropy else (out, None)
     # Columns before `start` hold no completion token, so the full mask lists the same
     # positions in the same (row-major) order as `keep`.
