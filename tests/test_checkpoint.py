@@ -80,7 +80,14 @@ def test_kill_during_save_leaves_a_loadable_checkpoint(tmp_path):
         assert latest is not None
         k = assert_consistent(latest)
         assert k >= saved  # the last save reported complete is never lost
-        assert len(list_checkpoints(out)) <= 2  # save_total_limit
+        for path in list_checkpoints(out):
+            assert_consistent(path)  # older ones too: a cut-short prune leaves no half
+        # save_total_limit=2, plus at most the one a kill between save and prune left
+        assert len(list_checkpoints(out)) <= 3
+    model = build_tiny_model(build_char_tokenizer("0123456789"), SPEC)
+    save_checkpoint(out, k + 1, model, build_char_tokenizer("0123456789"), {}, {}, 2)
+    assert len(list_checkpoints(out)) == 2  # the next save prunes back to the limit
+    assert not list(out.glob(".deleting-*"))
 
 
 def test_failed_save_keeps_the_previous_checkpoint_latest(tmp_path):

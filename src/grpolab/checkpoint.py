@@ -99,10 +99,21 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def prune_checkpoints(output_dir: str | Path, keep: int | None) -> None:
+    """Delete all but the newest `keep` checkpoints. A process killed between a save and its
+    prune leaves one extra, which the next save removes. Each goes out of the listing by an
+    atomic rename first, so a deletion cut short never leaves a half-deleted checkpoint
+    marked complete."""
     if keep is None:
         return
+    output_dir = Path(output_dir)
     for p in list_checkpoints(output_dir)[:-keep]:
-        shutil.rmtree(p)
+        trash = output_dir / f".deleting-{p.name}"
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.replace(p, trash)
+        shutil.rmtree(trash)
+    for leftover in output_dir.glob(".deleting-checkpoint-*"):  # cut short earlier
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def load_checkpoint(path: str | Path, dtype: str = "float32", device: str = "cpu"):
