@@ -443,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--loss-type", default="sequence", choices=sorted(LOSS_TYPES))
     p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--prompts-per-step", type=int, default=Settings.prompts_per_step)
+    p.add_argument("--num-generations", type=int, default=Settings.num_generations)
+    p.add_argument("--max-completion-length", type=int, default=Settings.max_completion_length)
+    p.add_argument("--temperature", type=float, default=Settings.temperature)
     p.add_argument("--json", help="write the results to this file")
     p.add_argument("--worker", choices=["grpolab", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -456,7 +460,16 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(asdict(result)))
         return 0
 
-    s = Settings(steps=args.steps, threads=args.threads, loss_agg=args.loss_type, beta=args.beta)
+    s = Settings(
+        steps=args.steps,
+        threads=args.threads,
+        loss_agg=args.loss_type,
+        beta=args.beta,
+        prompts_per_step=args.prompts_per_step,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
+    )
     import trl
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -33,6 +33,7 @@ def split_config(mode: str, loss_type: str, out: Path, accumulation: int):
             "trainer.rollout_split=replicated",
             "trainer.beta=0.05",
             "trainer.learning_rate=1e-3",
+            "trainer.ddp_bucket_mb=0.05",  # ~40 buckets: their order and overlap are exercised
         ],
     )
 
@@ -128,7 +129,10 @@ def main() -> None:
         model, tokenizer = load_start_model(cfg, torch.device("cpu"))
         run = make_run(cfg, model, tokenizer, dist=d)
         metrics, batch = grpo_step(run, 1)
+        reducer = run.reducer
         results[loss_type] = {
+            "buckets": None if reducer is None else len(reducer.buckets),
+            "overlapped": None if reducer is None else reducer.started_during_backward,
             "params": dist_module.full_state_dict(run.model),
             "grads": full_grads(run.model),
             "grad_norm": metrics["grad_norm"],

@@ -99,6 +99,8 @@ def test_two_ranks_equal_one_process(tmp_path, one_process, mode):
     for loss_type in MODES:
         got, want = two[loss_type], one[loss_type]
         assert got["rows"] == 8  # each rank held half of the 16 sequences
+        if mode == "ddp":  # every bucket's all-reduce started while backward was running
+            assert got["buckets"] > 10 and got["overlapped"] == got["buckets"]
         moved = max_diff(want["params"], want["start"])
         diff = max_diff(got["params"], want["params"])
         print(f"{mode} {loss_type}: max |param diff| {diff:.2e} (step moved them {moved:.2e})")

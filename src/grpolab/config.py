@@ -87,6 +87,9 @@ class TrainerConfig:
     progress: bool = True  # progress bar with ETA
     # Under torchrun: ddp (a replica per rank, gradients summed) | fsdp (FSDP2 fully_shard).
     distributed: str = "ddp"
+    # ddp: gradients are summed in buckets of this many MB, each starting as soon as backward
+    # has finished its gradients (communication overlaps the rest of the backward pass).
+    ddp_bucket_mb: float = 25.0
     # local: each rank samples only its prompts' groups | replicated: every rank samples the
     # whole global batch and keeps its groups (W x the rollout cost; the batch is exactly the
     # 1-process batch, for verifying a multi-rank setup against one process).
@@ -362,6 +365,7 @@ def validate(cfg: Config) -> None:
     _need(
         t.distributed in ("ddp", "fsdp"), "trainer.distributed", t.distributed, "one of ddp, fsdp"
     )
+    _need(t.ddp_bucket_mb > 0, "trainer.ddp_bucket_mb", t.ddp_bucket_mb, "a number > 0 (MB)")
     _need(
         t.rollout_split in ("local", "replicated"),
         "trainer.rollout_split",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -118,17 +119,69 @@ def max_metrics(metrics: dict[str, float], d: Dist) -> dict[str, float]:
     return dict(zip(keys, t.tolist(), strict=True))
 
 
-def sum_gradients(params: list[torch.nn.Parameter]) -> None:
-    """`ddp`: every rank's gradients replaced by their sum over ranks, one flat all-reduce."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+class GradientReducer:
+    """`ddp`: the gradients summed over ranks while the last micro-batch's backward still runs.
+
+    Parameters are grouped into buckets of about `bucket_mb` in reverse order (the order in
+    which backward finishes them). Once `arm()`ed, a bucket whose every gradient is final
+    starts its all-reduce asynchronously, in bucket order on every rank (collectives must
+    match even when the ranks' graphs differ); `wait()` starts what is left (parameters that
+    got no gradient this time) and writes the sums back: one flat all-reduce per bucket, the
+    communication overlapping the rest of the backward pass."""
+
+    def __init__(self, params: list[torch.nn.Parameter], bucket_mb: float = 25.0):
+        buckets: list[list[torch.nn.Parameter]] = [[]]
+        size = 0
+        for p in reversed(params):
+            if buckets[-1] and size + p.numel() * p.element_size() > bucket_mb * 2**20:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.buckets = [b for b in buckets if b]
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._finished) for p in params]
+        self._armed = False
+        self.started_during_backward = 0  # of the last wait()'s buckets
+
+    def arm(self) -> None:
+        """Call before the backward whose gradients are the last of this optimizer step."""
+        self._armed = True
+        self._missing = [len(b) for b in self.buckets]
+        self._started: list[tuple[torch.Tensor, Any]] = []
+
+    def _finished(self, p: torch.nn.Parameter) -> None:
+        if not self._armed:
+            return
+        self._missing[self._bucket_of[id(p)]] -= 1
+        while len(self._started) < len(self.buckets) and self._missing[len(self._started)] == 0:
+            self._start(len(self._started))
+
+    def _start(self, i: int) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
+        flat = _on_comm_device(torch.cat([g.reshape(-1) for g in grads]))
+        self._started.append((flat, dist.all_reduce(flat, async_op=True)))
+
+    def wait(self) -> None:
+        """Every bucket summed over ranks and written back into .grad."""
+        self.started_during_backward = len(self._started)
+        while len(self._started) < len(self.buckets):
+            self._start(len(self._started))
+        for bucket, (flat, work) in zip(self.buckets, self._started, strict=True):
+            work.wait()
+            offset = 0
+            for p in bucket:
+                value = flat[offset : offset + p.numel()].view_as(p).to(p.device)
+                if p.grad is None:
+                    p.grad = value.clone()
+                else:
+                    p.grad.copy_(value)
+                offset += p.numel()
+        self._armed = False
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
 
 
 def broadcast_parameters(model: torch.nn.Module) -> None:

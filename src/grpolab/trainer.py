@@ -243,6 +243,7 @@ class Run:
     skipped_steps: int = 0
     consecutive_nonfinite: int = 0
     dist: Dist = dataclasses.field(default_factory=Dist)
+    reducer: dist_module.GradientReducer | None = None  # ddp: sums gradients during backward
 
 
 def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -381,14 +382,16 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
                 )
                 bad = bad or first_nonfinite({"loss": loss.detach()})
                 share = loss * loss_scale(t.loss_type, mask, unit_mask, unit_total)
+                if run.reducer is not None and m_start + micro >= mini:  # the unit's last
+                    run.reducer.arm()
                 (share * dist_module.loss_multiplier(d)).backward()
                 unit_loss += float(share.detach())
                 w = float(mask.sum())
                 weight_total += w
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * w
-            if d.on and d.mode == "ddp":
-                dist_module.sum_gradients(params)
+            if run.reducer is not None:
+                run.reducer.wait()
             norm = dist_module.grad_norm(params, d) if d.on else grad_norm(params)
             bad = bad or first_nonfinite({"gradient": norm})
             if d.on and dist_module.any_rank(bad is not None, d):
@@ -689,6 +692,11 @@ def make_run(
         core=core,
         device=device or next(model.parameters()).device,
         dist=d,
+        reducer=(
+            dist_module.GradientReducer(trained, t.ddp_bucket_mb)
+            if d.on and d.mode == "ddp"
+            else None
+        ),
     )
 
 
