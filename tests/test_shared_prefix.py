@@ -203,3 +203,13 @@ def test_engine_on_a_sliding_window_model_prefills_per_row_and_reports_true_logp
     assert len(set(r.completion_mask.sum(1).tolist())) > 2
     logp, mask = core.sequence_logprobs(model, r.input_ids, r.attention_mask, r.completion_mask)
     torch.testing.assert_close(r.engine_logprobs, logp * mask, atol=1e-4, rtol=0)
+
+
+def test_entropy_through_the_shared_prefix(model, tokenizer):
+    batch = grouped_batch(tokenizer)
+    with torch.no_grad():
+        shared = token_logprobs(model, *batch, 0.8, return_entropy=True)
+        plain = token_logprobs(model, *batch, 0.8, return_entropy=True, shared_prefix=False)
+    for a, b in zip(shared, plain, strict=True):
+        torch.testing.assert_close(a, b, **FP32)
+    assert (shared[2][shared[1] == 1] > 0).all()
