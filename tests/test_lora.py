@@ -175,3 +175,34 @@ def test_vllm_rollouts_sample_the_merged_policy(tmp_path):
             run.engine.check_sync(run.model)
     finally:
         run.engine.close()
+
+
+def test_engine_prefills_once_per_prompt_on_a_lora_model(tmp_path):
+    """peft's forward hides logits_to_keep in **kwargs: the engine looks at the base model's,
+    so LoRA runs get the shared prefill too, with the model's own log-probs."""
+    from grpolab.rollout import SamplingParams
+    from grpolab.rollout.hf import HFEngine
+
+    cfg = lora_config(tmp_path)
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    run = make_run(cfg, model, tokenizer)
+    with torch.no_grad():  # adapters away from zero: the LoRA path changes the outputs
+        for name, p in run.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    params = SamplingParams(max_completion_length=8, seed=1)
+    rows = []  # batch size of each forward of the base model
+    hook = run.model.get_base_model().register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    shared = HFEngine(run.model, tokenizer).generate(["12+34=", "5+6="], 4, params)
+    hook.remove()
+    assert rows[0] == 2  # the prefill: one row per prompt, not 2 x 4
+    plain = HFEngine(run.model, tokenizer, shared_prefill=False).generate(
+        ["12+34=", "5+6="], 4, params
+    )
+    assert torch.equal(shared.input_ids, plain.input_ids)
+    logp, mask = core.sequence_logprobs(
+        run.model, shared.input_ids, shared.attention_mask, shared.completion_mask
+    )
+    torch.testing.assert_close(shared.engine_logprobs, logp * mask, atol=1e-5, rtol=0)

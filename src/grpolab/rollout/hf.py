@@ -156,7 +156,8 @@ def decode(
     # FSDP2: every rank runs the same forwards (collectives inside), so no rank leaves the
     # loop early and finished rows stay in the batch.
     sharded = type(model).__name__.startswith("FSDP")
-    keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    keep_logits = "logits_to_keep" in inspect.signature(base.forward).parameters  # peft: base
     last_only = {"logits_to_keep": 1} if keep_logits else {}
 
     mask = attention_mask.repeat_interleave(G, dim=0)  # [B, P]
