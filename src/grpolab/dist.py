@@ -172,11 +172,12 @@ class GradientReducer:
             offset = 0
             for p in bucket:
                 value = flat[offset : offset + p.numel()].view_as(p).to(p.device)
-                if p.grad is None:
-                    p.grad = value.clone()
-                else:
-                    p.grad.copy_(value)
                 offset += p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(value)
+                elif value.any():  # a gradient from another rank only
+                    p.grad = value.clone()
+                # else no rank had one: left None, so the optimizer skips it as on one process
         self._armed = False
 
     def remove(self) -> None:
