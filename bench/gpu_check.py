@@ -94,57 +94,48 @@ def rollout_hf(out: Path) -> None:
     prefilled once for its 8 samples), transformers generate with the default dynamic cache,
     with the static cache and the compiled decode step, and continuous batching."""
     model = build_model(torch.bfloat16)
-    ids = prompt_ids().repeat_interleave(GROUP, dim=0)  # [128, 128]
-    mask = torch.ones_like(ids)
-    rows = []
-    for label, kwargs in (
-        ("hf dynamic cache", {}),
-        ("hf static cache + torch.compile", {"cache_implementation": "static"}),
-    ):
-        try:
-            if kwargs and SMOKE:  # compiling on a small CPU takes minutes
-                continue
-            if kwargs:
-                model.forward = torch.compile(model.forward, mode="reduce-overhead")
-            for _attempt in ("warm-up", "timed"):
-                sync()
-                reset_peak()
-                tic = time.perf_counter()
-                seqs = model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    max_new_tokens=NEW_TOKENS,
-                    min_new_tokens=NEW_TOKENS,  # random weights: no early EOS, fixed work
-                    do_sample=True,
-                    temperature=1.0,
-                    top_k=0,
-                    pad_token_id=0,
-                    **kwargs,
-                )
-                sync()
-                seconds = time.perf_counter() - tic
-            new = (seqs.shape[1] - PROMPT_LEN) * seqs.shape[0]
-            rows.append(
-                {
-                    "engine": label,
-                    "sequences": seqs.shape[0],
-                    "new_tokens": new,
-                    "seconds": seconds,
-                    "tokens_per_s": new / seconds,
-                    "peak_gib": peak_gib(),
-                }
-            )
-        except Exception as e:  # a fast path this transformers/torch pair lacks
-            rows.append({"engine": label, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            print(f"{label}: failed: {e}", flush=True)
-    write(out, "rollout_hf", rows, show=False)  # kept if a later row runs out of time
-    for label, fn in (
+    engines = [
         ("grpolab decode loop (shared prefill)", grpolab_decode),
+        ("hf dynamic cache", hf_generate),
+        ("hf static cache + torch.compile", hf_generate_compiled),
         ("hf continuous batching", continuous_batching),
-    ):
+    ]
+    rows = []
+    for label, fn in engines:
+        if SMOKE and fn is hf_generate_compiled:  # compiling on a small CPU takes minutes
+            continue
         rows.append(timed_rollout(label, fn, model))
-        write(out, "rollout_hf", rows, show=False)
+        write(out, "rollout_hf", rows, show=False)  # kept if a later engine runs out of time
     write(out, "rollout_hf", rows)
+
+
+def hf_generate(model, **kwargs) -> int:
+    ids = prompt_ids().repeat_interleave(GROUP, dim=0)  # [128, 128]
+    seqs = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,  # random weights: no early EOS, fixed work
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        pad_token_id=0,
+        **kwargs,
+    )
+    return (seqs.shape[1] - PROMPT_LEN) * seqs.shape[0]
+
+
+def hf_generate_compiled(model) -> int:
+    """The static cache with the decode step compiled (CUDA graphs); the model's eager
+    forward is put back afterwards for the engines that follow."""
+    eager = model.forward
+    if not hasattr(model, "_compiled_forward"):  # once: the warm-up call compiles it
+        model._compiled_forward = torch.compile(eager, mode="reduce-overhead")
+    model.forward = model._compiled_forward
+    try:
+        return hf_generate(model, cache_implementation="static")
+    finally:
+        model.forward = eager
 
 
 def timed_rollout(label: str, fn, model) -> dict:
