@@ -4,15 +4,16 @@ the checkpoint is a plain merged model plus the adapter, and resume is bit-exact
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
 
+from runs import assert_same_run
+
 pytest.importorskip("peft")
 
 from grpolab import core
-from grpolab.checkpoint import ADAPTER_DIR, latest_checkpoint, save_checkpoint
+from grpolab.checkpoint import ADAPTER_DIR, save_checkpoint
 from grpolab.config import ConfigError, load_config, validate_world
 from grpolab.models import load_policy
 from grpolab.preflight import run_preflight
@@ -86,18 +87,7 @@ def test_resume_is_bit_exact_with_lora(tmp_path):
     train(lora_config(tmp_path, *extra, "max_steps=1", name="resumed"), skip_preflight=True)
     train(lora_config(tmp_path, *extra, name="resumed"), resume=True, skip_preflight=True)
 
-    a, _ = load_policy(latest_checkpoint(tmp_path / "straight"))
-    b, _ = load_policy(latest_checkpoint(tmp_path / "resumed"))
-    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
-        assert torch.equal(pa, pb), name
-
-    def rows(name):
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        timing = ("time/", "tokens_per_s")
-        return [{k: v for k, v in json.loads(r).items() if not k.startswith(timing)} for r in lines]
-
-    straight, resumed = rows("straight"), rows("resumed")
-    assert straight == resumed and len(resumed) == 2
+    assert_same_run(tmp_path / "straight", tmp_path / "resumed", steps=2)
 
 
 def test_the_checkpoint_is_the_merged_policy(tmp_path):

@@ -45,6 +45,18 @@ def grouped_batch(tokenizer, prompts=PROMPTS, completions=COMPLETIONS, g=G):
     return batch
 
 
+def sliding_window_model(tokenizer, window: int, seed: int):
+    """A tiny Qwen2 whose every layer attends to the last `window` positions only."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+        use_sliding_window=True, sliding_window=window, max_window_layers=0,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
 def values_and_grads(model, batch, **kwargs):
     """logp and the parameter gradients of an advantage-weighted sum (both signs)."""
     model.zero_grad(set_to_none=True)
@@ -111,14 +123,7 @@ def test_gradient_checkpointing_takes_the_plain_forward(tokenizer):
 
 def test_sliding_window_cache_is_refused_and_the_result_still_right(tokenizer, caplog):
     """A sliding-window KV cache is not a plain concatenation: verified once, then refused."""
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
-        use_sliding_window=True, sliding_window=4, max_window_layers=0,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).train()
+    model = sliding_window_model(tokenizer, window=4, seed=0).train()
     batch = grouped_batch(tokenizer)
     with caplog.at_level(logging.WARNING, logger="grpolab"):
         logp, mask, _ = values_and_grads(model, batch)
@@ -187,20 +192,21 @@ def test_truncation_matches_transformers_warpers(top_k, top_p):
 def test_engine_on_a_sliding_window_model_prefills_per_row_and_reports_true_logprobs(tokenizer):
     """A sliding-window cache is not repeated per group: the engine prefills every row, and
     dropping finished rows from that cache still gives the model's own log-probs."""
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
-        use_sliding_window=True, sliding_window=6, max_window_layers=0,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(1)
-    model = Qwen2ForCausalLM(config)
+    model = sliding_window_model(tokenizer, window=6, seed=1)
     shift = torch.zeros(len(tokenizer))
     shift[tokenizer.eos_token_id] = 3.0  # rows finish at many different steps
     model.lm_head.register_forward_hook(lambda module, args, out: out + shift)
     params = SamplingParams(max_completion_length=10, seed=3)
+    rows = []  # batch size of each forward
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
     r = HFEngine(model, tokenizer).generate(PROMPTS, 3, params)
     assert len(set(r.completion_mask.sum(1).tolist())) > 2
+    assert rows[:2] == [3, 9]  # tried once per prompt, then per row
+    rows.clear()
+    HFEngine(model, tokenizer).generate(PROMPTS, 3, params)
+    assert rows[0] == 9  # remembered: no wasted shared prefill on later rollouts
     logp, mask = core.sequence_logprobs(model, r.input_ids, r.attention_mask, r.completion_mask)
     torch.testing.assert_close(r.engine_logprobs, logp * mask, atol=1e-4, rtol=0)
 

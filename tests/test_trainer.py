@@ -22,6 +22,7 @@ from grpolab.trainer import (
     make_run,
     train,
 )
+from runs import assert_same_run
 
 SMALL = [
     "trainer.prompts_per_step=4",
@@ -30,7 +31,6 @@ SMALL = [
     "trainer.progress=false",
     "trainer.log_completions_steps=1",
 ]
-TIME_KEYS = ("time/", "tokens_per_s")
 
 
 def small_config(tmp_path, *extra: str, name: str = "run"):
@@ -159,19 +159,7 @@ def test_resume_is_bit_exact(tmp_path):
     second = small_config(tmp_path, *extra, name="resumed")
     train(second, resume=True)
 
-    a, _ = load_policy(latest_checkpoint(tmp_path / "straight"))
-    b, _ = load_policy(latest_checkpoint(tmp_path / "resumed"))
-    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
-        assert torch.equal(pa, pb), name
-
-    def rows(name):
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        return [
-            {k: v for k, v in json.loads(r).items() if not k.startswith(TIME_KEYS)} for r in lines
-        ]
-
-    assert rows("straight") == rows("resumed")
-    assert len(rows("resumed")) == 2
+    assert_same_run(tmp_path / "straight", tmp_path / "resumed", steps=2)
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):

@@ -96,9 +96,9 @@ class TrainerConfig:
     rollout_split: str = "local"
     # Recompute each decoder layer's activations in backward: less memory, ~30% more compute.
     gradient_checkpointing: bool = False
-    # torch.compile each decoder layer (dynamic shapes, one graph shared by the layers): fuses
-    # the norms, rotary and MLP elementwise ops. Pays on GPUs over a long run; on a CPU the
-    # first steps spend minutes compiling (bench/README.md).
+    # torch.compile the MLP and norms of every decoder layer (dynamic shapes, one graph for
+    # all layers; attention stays eager): fuses their elementwise ops. Pays on GPUs over a
+    # long run; on a CPU the first steps spend seconds to minutes compiling (docs/SCALING.md).
     torch_compile: bool = False
     # bf16: the model's forwards run under bf16 autocast (matmuls in bfloat16, log-softmax
     # still float32) while weights, gradients and AdamW stay in model.dtype (fp32 master).

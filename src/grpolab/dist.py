@@ -140,7 +140,8 @@ class GradientReducer:
             size += p.numel() * p.element_size()
         self.buckets = [b for b in buckets if b]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._finished) for p in params]
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._finished)
         self._armed = False
         self.started_during_backward = 0  # of the last wait()'s buckets
 
@@ -179,10 +180,6 @@ class GradientReducer:
                     p.grad = value.clone()
                 # else no rank had one: left None, so the optimizer skips it as on one process
         self._armed = False
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
 
 
 def broadcast_parameters(model: torch.nn.Module) -> None:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpolab.models import plain_kv_cache
+
 log = logging.getLogger("grpolab")
 
 IMPLS = ("fused", "naive")
@@ -452,12 +454,12 @@ def _verdict_once(verdicts, model, failure: str, probe) -> str | None:
 def _verify_split(model, split: Split, input_ids, attention_mask) -> str | None:
     """Compare the split's logits with the model's own on a short slice of the batch, once
     per model: catches what no config attribute announces (a scaled head, a wrapper)."""
-    real = input_ids[0][attention_mask[0].bool()]
-    ids = (real if real.numel() else input_ids[0])[:16][None]  # [1, <=16], no padding
-    attn = torch.ones_like(ids)
-    pos = torch.arange(ids.shape[1], device=ids.device)[None]
 
     def probe() -> str | None:
+        real = input_ids[0][attention_mask[0].bool()]
+        ids = (real if real.numel() else input_ids[0])[:16][None]  # [1, <=16], no padding
+        attn = torch.ones_like(ids)
+        pos = torch.arange(ids.shape[1], device=ids.device)[None]
         expected = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
         got = torch.nn.functional.linear(_body_hidden(split.body, ids, attn, pos), split.weight)
         if got.shape != expected.shape:
@@ -530,9 +532,8 @@ def suffix_buckets(needed: torch.Tensor) -> list[torch.Tensor]:
     while len(spans) < MAX_SUFFIX_BUCKETS:
         best = (MIN_BUCKET_SAVING * total, None, None)
         for k, (a, b) in enumerate(spans):
-            for i in range(
-                a + 1, b
-            ):  # cut before i: [a, i) pads to lengths[a], [i, b) to lengths[i]
+            # A cut before i pads [a, i) to lengths[a] and [i, b) to lengths[i].
+            for i in range(a + 1, b):
                 if lengths[i] == lengths[i - 1]:
                     continue
                 saving = (b - i) * (lengths[a] - lengths[i])
@@ -550,7 +551,7 @@ def _prefix_hidden(body, input_ids, attention_mask, position_ids, plan: PrefixPl
     """Final hidden states at positions [plan.length - 1, T - 1) -> [B, T - length, H]: what
     predicts the tokens in columns [length, T), zeros past each row's last real token. None
     if the body keeps no plain KV cache."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache
 
     P = plan.length
     B, T = input_ids.shape
@@ -562,8 +563,8 @@ def _prefix_hidden(body, input_ids, attention_mask, position_ids, plan: PrefixPl
         use_cache=True,
     )
     prefix = out.past_key_values  # [U, heads, P, d] per layer
-    if type(prefix) is not DynamicCache or any(type(x) is not DynamicLayer for x in prefix.layers):
-        return None  # sliding-window, hybrid or quantised caches: not a plain concatenation
+    if not plain_kv_cache(prefix):
+        return None
     last = out.last_hidden_state[:, -1]  # [U, H], predicts column P
     window = last.new_zeros(B, T - P, last.shape[-1])
     window[:, 0] = last[plan.owner]
@@ -576,9 +577,9 @@ def _prefix_hidden(body, input_ids, attention_mask, position_ids, plan: PrefixPl
         width = int(needed[bucket].max())
         if width == 0:
             continue
+        owners = plan.owner[bucket]  # this bucket's rows' prompts, by index
         cache = DynamicCache()
-        for i, layer in enumerate(prefix.layers):  # this bucket's rows' prompts, by index
-            owners = plan.owner[bucket]
+        for i, layer in enumerate(prefix.layers):
             cache.update(layer.keys[owners], layer.values[owners], i)
         out = body(
             input_ids=input_ids[bucket, P : P + width],
@@ -599,12 +600,13 @@ _PREFIX_VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = (
 
 def _verify_shared_prefix(model, body, input_ids, attention_mask, position_ids, plan) -> str | None:
     """Compare with the plain forward on one shared prefix and two suffixes, once per model."""
-    first = int((plan.owner[1:] == plan.owner[:-1]).nonzero()[0])  # a run of >= 2 rows
-    rows = torch.tensor([first, first + 1], device=input_ids.device)
-    small = PrefixPlan(plan.length, rows[:1], torch.zeros(2, dtype=torch.long, device=rows.device))
-    ids, attn, pos = input_ids[rows], attention_mask[rows], position_ids[rows]
 
     def probe() -> str | None:
+        first = int((plan.owner[1:] == plan.owner[:-1]).nonzero()[0])  # a run of >= 2 rows
+        rows = torch.tensor([first, first + 1], device=input_ids.device)
+        zeros = torch.zeros(2, dtype=torch.long, device=rows.device)
+        small = PrefixPlan(plan.length, rows[:1], zeros)
+        ids, attn, pos = input_ids[rows], attention_mask[rows], position_ids[rows]
         got = _prefix_hidden(body, ids, attn, pos, small)
         if got is None:
             return "shared-prefix forward: its KV cache is not a plain per-layer concatenation"
@@ -616,10 +618,14 @@ def _verify_shared_prefix(model, body, input_ids, attention_mask, position_ids, 
     return _verdict_once(_PREFIX_VERIFIED, model, "the shared-prefix forward failed", probe)
 
 
+def _checkpointing(model) -> bool:
+    return model.training and getattr(model, "is_gradient_checkpointing", False)
+
+
 def shared_prefix_status(model, input_ids, attention_mask, completion_mask) -> str | None:
     """None when `token_logprobs` (fused) runs this batch one forward per prompt, else why not.
     Call after a `token_logprobs` call on the same model (the first one verifies the model)."""
-    if model.training and getattr(model, "is_gradient_checkpointing", False):
+    if _checkpointing(model):
         return "gradient checkpointing drops the KV cache"
     if plan_shared_prefix(input_ids, attention_mask, completion_mask) is None:
         return "fewer than two rows per distinct prompt"
@@ -755,8 +761,7 @@ def _fused(
     mask = completion_mask[:, 1:].float()  # [B, T-1]
     window = None  # final hidden states at positions [start, T-1), [B, T-1-start, H]
     plan = None
-    checkpointing = model.training and getattr(model, "is_gradient_checkpointing", False)
-    if shared_prefix and not checkpointing:  # checkpointed layers drop the KV cache
+    if shared_prefix and not _checkpointing(model):  # checkpointed layers drop the KV cache
         plan = plan_shared_prefix(input_ids, attention_mask, completion_mask)
     if plan is not None:
         args = (split.body, input_ids, attention_mask, position_ids)

@@ -142,3 +142,17 @@ def load_policy(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model itself: inside a peft wrapper, its base model; else `model`."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def plain_kv_cache(cache) -> bool:
+    """A cache whose every layer is a plain concatenation of keys and values over positions,
+    so rows can be selected or repeated freely (not sliding-window, hybrid or quantised)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    return type(cache) is DynamicCache and all(type(x) is DynamicLayer for x in cache.layers)

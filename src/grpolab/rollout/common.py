@@ -100,6 +100,22 @@ def encode_prompts(
     return encoded
 
 
+def checked_prompt_ids(
+    engine, prompts: Sequence[str], num_generations: int, params: SamplingParams
+) -> list[list[int]]:
+    """What every engine's generate() starts with: the sampling settings checked and the
+    prompts rendered and encoded with the engine's tokenizer, chat template and context."""
+    check_sampling(num_generations, params)
+    return encode_prompts(
+        engine.tokenizer,
+        prompts,
+        params.max_completion_length,
+        engine.context_length,
+        engine.chat_template,
+        engine.system_prompt,
+    )
+
+
 def assemble_rollout(
     prompts: Sequence[str],
     prompt_ids: Sequence[Sequence[int]],

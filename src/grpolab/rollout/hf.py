@@ -17,15 +17,15 @@ computes. Only one [rows, V] distribution exists at a time.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from grpolab.models import base_model, plain_kv_cache
 from grpolab.rollout.base import Rollout, SamplingParams
 from grpolab.rollout.common import (
     assemble_rollout,
-    check_sampling,
-    encode_prompts,
+    checked_prompt_ids,
     pad_token_id,
     stop_token_ids,
 )
@@ -60,16 +60,8 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> Rollout:
-        check_sampling(num_generations, params)
         G = num_generations
-        prompt_ids = encode_prompts(
-            self.tokenizer,
-            prompts,
-            params.max_completion_length,
-            self.context_length,
-            self.chat_template,
-            self.system_prompt,
-        )
+        prompt_ids = checked_prompt_ids(self, prompts, G, params)
         device = next(self.model.parameters()).device
         P = max(len(p) for p in prompt_ids)
         input_ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
@@ -138,6 +130,10 @@ def truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return kept
 
 
+# Models whose KV cache cannot be repeated per group (found by their first rollout).
+_CACHE_NOT_PLAIN: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
 def decode(
     model,
     input_ids: torch.Tensor,
@@ -156,14 +152,15 @@ def decode(
     # FSDP2: every rank runs the same forwards (collectives inside), so no rank leaves the
     # loop early and finished rows stay in the batch.
     sharded = type(model).__name__.startswith("FSDP")
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    keep_logits = "logits_to_keep" in inspect.signature(base.forward).parameters  # peft: base
+    signature = inspect.signature(base_model(model).forward)  # peft: **kwargs reach the base
+    keep_logits = "logits_to_keep" in signature.parameters
     last_only = {"logits_to_keep": 1} if keep_logits else {}
 
     mask = attention_mask.repeat_interleave(G, dim=0)  # [B, P]
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P]
     cache = None
-    if shared_prefill and G > 1 and keep_logits and not sharded:
+    shareable = model not in _CACHE_NOT_PLAIN
+    if shared_prefill and shareable and G > 1 and keep_logits and not sharded:
         # The G samples of a prompt share its whole forward, the first token's distribution
         # included: one row per prompt, repeated G times.
         out = model(
@@ -174,10 +171,11 @@ def decode(
             logits_to_keep=1,
         )
         cache = out.past_key_values
-        if type(cache) is DynamicCache and all(type(x) is DynamicLayer for x in cache.layers):
+        if plain_kv_cache(cache):
             cache.batch_repeat_interleave(G)
             out.logits = out.logits.repeat_interleave(G, dim=0)
         else:  # sliding-window, hybrid: not a plain per-layer concatenation
+            _CACHE_NOT_PLAIN.add(model)  # seen once: later rollouts prefill per row at once
             cache = None
     if cache is None:
         out = model(

@@ -38,11 +38,11 @@ from pathlib import Path
 
 import torch
 
+from grpolab.models import base_model
 from grpolab.rollout.base import Rollout, RolloutConfig, SamplingParams
 from grpolab.rollout.common import (
     assemble_rollout,
-    check_sampling,
-    encode_prompts,
+    checked_prompt_ids,
     pad_token_id,
     stop_token_ids,
 )
@@ -132,10 +132,10 @@ def engine_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     trained model is not touched)."""
     from grpolab.dist import full_state_dict
 
-    get_base = getattr(model, "get_base_model", None)
-    if not callable(get_base):
+    base = base_model(model)
+    if base is model:
         return full_state_dict(model, every_rank=True)
-    base = get_base()  # a peft PeftModel's model, with LoRA layers wrapping base layers
+    # peft: the transformers model inside, with LoRA layers wrapping its base layers
     merged = {
         name.replace(".base_layer.", "."): tensor.detach().cpu()
         for name, tensor in base.state_dict().items()
@@ -158,8 +158,7 @@ def save_for_engine(model: torch.nn.Module, tokenizer, path: str | Path) -> None
     from safetensors.torch import save_file
 
     path = Path(path)
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    base.config.save_pretrained(path)
+    base_model(model).config.save_pretrained(path)
     tokenizer.save_pretrained(path)
     # Own copies: safetensors refuses tensors that share memory (tied embeddings).
     weights = {name: t.contiguous().clone() for name, t in engine_state_dict(model).items()}
@@ -308,16 +307,8 @@ class VLLMEngine:
         return gap
 
     def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> Rollout:
-        check_sampling(num_generations, params)
         G = num_generations
-        prompt_ids = encode_prompts(
-            self.tokenizer,
-            prompts,
-            params.max_completion_length,
-            self.context_length,
-            self.chat_template,
-            self.system_prompt,
-        )
+        prompt_ids = checked_prompt_ids(self, prompts, G, params)
         truncating = params.temperature > 0 and (params.top_k > 0 or params.top_p < 1)
         requests, sampling = [], []
         for i, ids in enumerate(prompt_ids):

@@ -1,0 +1,28 @@
+"""Comparing finished training runs on disk."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from grpolab.checkpoint import latest_checkpoint
+from grpolab.models import load_policy
+
+TIME_KEYS = ("time/", "tokens_per_s")  # wall-clock metrics: never equal between two runs
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl of a run, without the wall-clock metrics."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(r).items() if not k.startswith(TIME_KEYS)} for r in lines]
+
+
+def assert_same_run(a: Path, b: Path, steps: int) -> None:
+    """Two runs ended with bit-identical weights after the same logged metrics, step by step."""
+    model_a, _ = load_policy(latest_checkpoint(a))
+    model_b, _ = load_policy(latest_checkpoint(b))
+    pairs = zip(model_a.state_dict().items(), model_b.state_dict().values(), strict=True)
+    for (name, pa), pb in pairs:
+        assert torch.equal(pa, pb), name
+    rows_a, rows_b = metric_rows(a), metric_rows(b)
+    assert rows_a == rows_b and len(rows_b) == steps
