@@ -7,8 +7,7 @@ import copy
 
 import pytest
 import torch
-
-from runs import assert_same_run
+from finished_runs import assert_same_run
 
 pytest.importorskip("peft")
 

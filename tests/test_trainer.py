@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from finished_runs import assert_same_run
 
 from grpolab import core
 from grpolab.checkpoint import latest_checkpoint, save_checkpoint
@@ -22,7 +23,6 @@ from grpolab.trainer import (
     make_run,
     train,
 )
-from runs import assert_same_run
 
 SMALL = [
     "trainer.prompts_per_step=4",
