@@ -567,7 +567,9 @@ def _prefix_hidden(body, input_ids, attention_mask, position_ids, plan: PrefixPl
         return None
     last = out.last_hidden_state[:, -1]  # [U, H], predicts column P
     window = last.new_zeros(B, T - P, last.shape[-1])
-    window[:, 0] = last[plan.owner]
+    # index_select, not last[plan.owner]: with repeated indices the backward of advanced
+    # indexing accumulates in a thread-dependent order on CPU; index_select's does not.
+    window[:, 0] = last.index_select(0, plan.owner)
     # Row r's hidden states are needed up to its last real token but one (that token's
     # prediction lies past the row), i.e. suffix columns [P, P + needed[r]).
     real = attention_mask[:, P:].bool()  # [B, T-P]
@@ -580,7 +582,8 @@ def _prefix_hidden(body, input_ids, attention_mask, position_ids, plan: PrefixPl
         owners = plan.owner[bucket]  # this bucket's rows' prompts, by index
         cache = DynamicCache()
         for i, layer in enumerate(prefix.layers):
-            cache.update(layer.keys[owners], layer.values[owners], i)
+            keys, values = layer.keys.index_select(0, owners), layer.values.index_select(0, owners)
+            cache.update(keys, values, i)
         out = body(
             input_ids=input_ids[bucket, P : P + width],
             attention_mask=attention_mask[bucket, : P + width],
