@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
+import traceback
+
+# A config override: a dotted key, "=", a value (e.g. trainer.learning_rate=1e-6).
+OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*=")
 
 
 def _fail(message: str) -> int:
-    print(f"grpolab: error: {message}", file=sys.stderr)
+    print(f"grpolab: error: {one_line(message)}", file=sys.stderr)
     return 2
+
+
+def one_line(message: str) -> str:
+    """A message on one line: libraries' multi-line errors folded with "; "."""
+    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from grpolab.config import ConfigError, load_config
     from grpolab.preflight import PreflightFailed
-    from grpolab.trainer import MonitorStop, NonFiniteError, train
+    from grpolab.trainer import Interrupted, MonitorStop, NonFiniteError, train
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -25,11 +36,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             core=core,
             skip_preflight=args.skip_preflight,
+            allow_config_change=args.allow_config_change,
         )
     except PreflightFailed as e:
         _fail(str(e))
         return 1
-    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
         return _fail(str(e))
     except NonFiniteError as e:
         _fail(str(e))
@@ -37,6 +49,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except MonitorStop as e:
         _fail(str(e))
         return 4
+    except Interrupted as e:
+        print(f"grpolab: {one_line(str(e))}", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -111,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace a previous run in output_dir"
     )
     train.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: apply config values that differ from the checkpoint's (learning "
+        "rate, objective, ...) instead of refusing; config.yaml records them",
+    )
+    train.add_argument(
         "--skip-preflight",
         action="store_true",
         help="start without the preflight checks (a warning goes to the log and run directory)",
@@ -156,9 +177,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def overrides_last(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Flags and KEY=VALUE overrides in any order: for a subcommand that takes overrides,
+    every positional word moves behind "--", so an option with an optional value (--resume
+    [PATH]) never swallows an override, and flags after overrides are still flags.
+
+    `--resume` takes the next word only when it is neither an option nor an override."""
+    sub = _subcommand_parser(parser, argv[0]) if argv else None
+    if sub is None or not any(a.dest == "overrides" for a in sub._actions):
+        return argv
+    nargs = {name: a.nargs for a in sub._actions for name in a.option_strings}
+    flags, positional, i = [argv[0]], [], 1
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            positional += argv[i + 1 :]
+            break
+        if word.startswith("-") and len(word) > 1:
+            flags.append(word)
+            arity = nargs.get(word, 0)  # an unknown option is argparse's to report
+            if i + 1 < len(argv) and "=" not in word:
+                nxt = argv[i + 1]
+                optional_value = not nxt.startswith("-") and not OVERRIDE.match(nxt)
+                if arity is None or (arity == "?" and optional_value):
+                    flags.append(nxt)
+                    i += 1
+        else:
+            positional.append(word)
+        i += 1
+    return flags + (["--", *positional] if positional else [])
+
+
+def _subcommand_parser(parser: argparse.ArgumentParser, name: str):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(name)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(overrides_last(argv, parser))
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("grpolab: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # a failure no command anticipated: one line, not a traceback
+        if os.environ.get("GRPOLAB_TRACEBACK"):
+            raise
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        return _fail(
+            f"{type(err).__name__}: {err} (at {os.path.basename(frame.filename)}:"
+            f"{frame.lineno}; GRPOLAB_TRACEBACK=1 shows the traceback)"
+        )
 
 
 if __name__ == "__main__":

@@ -155,7 +155,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         _set_dotted(tree, key.strip(), _RawValue(raw))
-    cfg = _build(Config, tree, "")
+    # Every key the file or an override leaves out keeps its value in Config(): the demo's
+    # defaults, section by section (rollout.max_completion_length=6 stays 6 when only
+    # rollout.temperature is given).
+    cfg = _build(Config, tree, "", base=Config())
     validate(cfg)
     return cfg
 
@@ -175,7 +178,10 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
+def _build(cls: type, data: Any, prefix: str, base: Any = None) -> Any:
+    """An instance of dataclass `cls` from the mapping `data`: the keys it holds are coerced
+    to their field types, the others keep their value in `base` (an instance of `cls`;
+    None: the class defaults). Sections merge recursively, key by key."""
     where = prefix.rstrip(".") or "config"
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping, got {data!r}")
@@ -184,7 +190,13 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     unknown = [k for k in data if k not in names]
     if unknown:
         raise ConfigError(f"unknown key {prefix}{unknown[0]}; valid keys in {where}: {names}")
-    kwargs = {k: _coerce(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
+    kwargs = {} if base is None else {name: getattr(base, name) for name in names}
+    for k, v in data.items():
+        if dataclasses.is_dataclass(hints[k]) and base is not None:
+            section = {} if v is None else v  # a section whose keys are all commented out
+            kwargs[k] = _build(hints[k], section, f"{prefix}{k}.", base=kwargs[k])
+        else:
+            kwargs[k] = _coerce(hints[k], v, f"{prefix}{k}")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -436,3 +448,65 @@ def objective_fields(cfg: Config) -> dict[str, Any]:
         num_iterations=t.num_iterations,
         logprob_source=t.logprob_source,
     )
+
+
+# --- Resuming with another config ------------------------------------------------------------
+
+# Keys a resumed run may change freely: they decide how long the run goes, what is logged,
+# kept and evaluated, where and how fast it runs (the same maths computed another way), never
+# what a training step computes.
+RESUME_FREE_KEYS = (
+    "output_dir",
+    "model.device",
+    "trainer.distributed",
+    "trainer.gradient_checkpointing",
+    "trainer.torch_compile",
+    "trainer.logprobs",
+    "trainer.shared_prefix",
+    "rollout.shared_prefill",
+    "trainer.save_steps",
+    "trainer.save_total_limit",
+    "trainer.eval_steps",
+    "trainer.eval_examples",
+    "trainer.eval_max_completion_length",
+    "trainer.log_completions_steps",
+    "trainer.log_completions_count",
+    "trainer.max_consecutive_nonfinite",
+    "trainer.monitor",
+    "trainer.monitor_clip_frac_max",
+    "trainer.monitor_zero_std_max",
+    "trainer.num_threads",
+    "trainer.report_to",
+    "trainer.progress",
+    "trainer.ddp_bucket_mb",
+    "rollout.vllm_gpu_memory_utilization",
+    "rollout.vllm_max_model_len",
+    "rollout.vllm_enforce_eager",
+)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"trainer": {"beta": 0}} -> {"trainer.beta": 0}."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def run_changes(saved: dict[str, Any], cfg: Config) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, new value) for every key of `cfg` that differs from the config a
+    checkpoint was trained with (`saved`, as to_dict wrote it) and changes what the training
+    steps compute. max_steps counts as such only when the LR schedule depends on it."""
+    new = flatten(to_dict(cfg))
+    old = flatten(saved)
+    free = set(RESUME_FREE_KEYS)
+    if cfg.trainer.lr_scheduler == "constant" and old.get("trainer.lr_scheduler") == "constant":
+        free.add("max_steps")
+    return [
+        (key, old.get(key), value)
+        for key, value in new.items()
+        if key not in free and key in old and old[key] != value
+    ]

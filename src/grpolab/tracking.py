@@ -33,16 +33,38 @@ CONSOLE_FIELDS = (
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file; lines that are not a JSON object (a write cut short by a
+    crash or a full disk) are skipped: `read_jsonl_counting` says how many."""
+    return read_jsonl_counting(path)[0]
+
+
+def read_jsonl_counting(path: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """(records, number of unreadable lines skipped)."""
     path = Path(path)
     if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [], 0
+    rows, bad = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            bad += 1
+    return rows, bad
 
 
-def truncate_jsonl(path: Path, after_step: int) -> None:
-    """Drop records of steps after `after_step` (a resumed run rewrites them)."""
-    rows = [r for r in read_jsonl(path) if r.get("step", 0) <= after_step]
+def truncate_jsonl(path: Path, after_step: int) -> int:
+    """Drop records of steps after `after_step` (a resumed run rewrites them) and unreadable
+    lines; returns how many unreadable lines were dropped."""
+    rows, bad = read_jsonl_counting(path)
+    rows = [r for r in rows if r.get("step", 0) <= after_step]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return bad
 
 
 def _clean(value: Any) -> Any:
@@ -66,7 +88,12 @@ class Tracker:
         self.completions_path = output_dir / "completions.jsonl"
         for path in (self.metrics_path, self.completions_path):
             if resume_step and path.exists():
-                truncate_jsonl(path, resume_step)
+                dropped = truncate_jsonl(path, resume_step)
+                if dropped:
+                    console.print(
+                        f"[yellow]warning:[/yellow] {path}: dropped {dropped} unreadable "
+                        "line(s) (a write cut short)"
+                    )
             elif not resume_step:
                 path.write_text("")
         self.sinks: list[Any] = []

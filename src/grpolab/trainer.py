@@ -17,8 +17,9 @@ import dataclasses
 import inspect
 import json
 import math
-import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,15 +35,24 @@ from grpolab import core as core_module
 from grpolab import dist as dist_module
 from grpolab.checkpoint import (
     ADAPTER_DIR,
+    RUN_CONFIG,
     check_same_model,
-    latest_checkpoint,
     load_checkpoint,
+    resume_point,
     rng_state,
     save_checkpoint,
+    set_aside,
     set_rng_state,
 )
 from grpolab.checks import CoreImpl
-from grpolab.config import Config, objective_fields, to_dict, to_yaml, validate_world
+from grpolab.config import (
+    Config,
+    objective_fields,
+    run_changes,
+    to_dict,
+    to_yaml,
+    validate_world,
+)
 from grpolab.dist import Dist
 from grpolab.evaluate import accuracy_rewards, correct, evaluate_accuracy, evaluate_pass_at_k
 from grpolab.models import load_policy
@@ -51,18 +61,11 @@ from grpolab.preflight import preflight_gate
 from grpolab.rewards import Rewards, load_rewards, score
 from grpolab.rollout import build_engine
 from grpolab.rollout.base import Rollout
+from grpolab.rundir import check_output_dir, prepare_output_dir
 from grpolab.tasks import load_task
 from grpolab.tracking import Tracker, progress_bar
 
 DEMO_MODEL_DIR = Path(__file__).parent / "data" / "demo-warmup"
-RUN_FILES = (
-    "config.yaml",
-    "objective.txt",
-    "preflight.json",
-    "metrics.jsonl",
-    "completions.jsonl",
-    "summary.json",
-)
 
 
 class MonitorStop(RuntimeError):
@@ -71,6 +74,52 @@ class MonitorStop(RuntimeError):
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C or SIGTERM stopped the run; the message says what was saved."""
+
+
+class StopRequests:
+    """Ctrl-C (SIGINT) or SIGTERM asks the loop to stop after the step in progress, which is
+    then checkpointed; a second Ctrl-C interrupts at once (KeyboardInterrupt). Outside the
+    main thread signals cannot be caught, and nothing changes."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.requested = False
+        self.signal_name = ""
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                number = getattr(signal, name)
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def _handle(self, number: int, frame) -> None:
+        if self.requested and number == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signal_name = signal.Signals(number).name
+        self.console.print(
+            f"[yellow]{self.signal_name}: stopping after this step and saving a checkpoint "
+            "(Ctrl-C again to stop at once, without saving it)[/yellow]"
+        )
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+
+def last_checkpoint_note(run_dir: Path) -> str:
+    from grpolab.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
+    return f"The last checkpoint is {latest}." if latest else "No checkpoint was saved."
 
 
 # --- The core functions the loop calls (a learner's own implementation may replace them) ------
@@ -562,25 +611,94 @@ def load_lora_adapter(model: torch.nn.Module, checkpoint_dir: Path) -> None:
         )
 
 
-# --- The run: setup, loop, checkpoints, summary ----------------------------------------------
-
-
-def prepare_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
-    holds_run = output_dir.is_dir() and (
-        any((output_dir / f).exists() for f in RUN_FILES)
-        or any(p.name.startswith("checkpoint-") for p in output_dir.iterdir())
-    )
-    if holds_run and not resume and not overwrite:
-        raise FileExistsError(
-            f"output_dir={str(output_dir)!r} holds another run; pass --resume to continue it, "
-            "--overwrite to replace it, or choose another output_dir"
+def restore(run: Run, checkpoint_dir: Path) -> tuple[int, dict[str, Any]]:
+    """Load a checkpoint's weights, optimizer moments, schedule position, data position and
+    RNG into `run`; returns (its step, its state). The optimizer's hyperparameters (learning
+    rate, betas, weight decay) come from the run's config, so a changed learning rate that
+    was allowed reaches the optimizer and the schedule."""
+    cfg, model, device = run.cfg, run.model, run.device
+    check_same_model(model, checkpoint_dir)
+    saved, _, extra, state = load_checkpoint(checkpoint_dir, cfg.model.dtype, str(device))
+    if is_lora(model):  # the base weights are the start model's; saved holds them merged
+        load_lora_adapter(model, checkpoint_dir)
+    elif (checkpoint_dir / ADAPTER_DIR).is_dir():
+        raise ValueError(
+            f"--resume {str(checkpoint_dir)!r}: a LoRA checkpoint; resume it with the "
+            "trainer.lora_* settings it was trained with"
         )
-    if holds_run and overwrite and not resume:
-        for p in output_dir.iterdir():
-            ours = p.name in (*RUN_FILES, "tensorboard", "nonfinite-capsule.pt")
-            if ours or p.name.startswith(("checkpoint-", ".tmp-checkpoint-")):
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-    output_dir.mkdir(parents=True, exist_ok=True)
+    elif dist_module.is_sharded(model):
+        dist_module.load_full_model_state(model, saved.state_dict())
+    else:
+        model.load_state_dict(saved.state_dict())
+    del saved
+    if dist_module.is_named_optimizer_state(extra["optimizer"]):  # saved by a multi-rank run
+        dist_module.load_full_optimizer_state(model, run.optimizer, extra["optimizer"])
+    elif dist_module.is_sharded(model):
+        raise ValueError(
+            f"--resume {str(checkpoint_dir)!r}: a single-process checkpoint resumes under "
+            "trainer.distributed=ddp, not fsdp"
+        )
+    else:
+        run.optimizer.load_state_dict(extra["optimizer"])
+    run.scheduler.load_state_dict(extra["scheduler"])
+    apply_optimizer_config(run)
+    run.data_gen.set_state(extra["data_generator"])
+    set_rng_state(extra["rng"])
+    run.skipped_steps = state.get("skipped_steps", 0)
+    run.consecutive_nonfinite = state.get("consecutive_nonfinite", 0)
+    run.engine.sync_weights(model)
+    return state["step"], state
+
+
+def apply_optimizer_config(run: Run) -> None:
+    """Learning rate, betas and weight decay from the config into the optimizer and the LR
+    schedule (a loaded state dict brings the checkpoint's). With an unchanged config this
+    rewrites the values they already hold: base_lr * multiplier(step) is the schedule's own
+    formula."""
+    t = run.cfg.trainer
+    scheduler = run.scheduler
+    scheduler.base_lrs = [t.learning_rate] * len(scheduler.base_lrs)
+    for group, multiplier in zip(run.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = t.learning_rate
+        group["lr"] = t.learning_rate * multiplier(scheduler.last_epoch)
+        group["betas"] = (t.adam_beta1, t.adam_beta2)
+        group["weight_decay"] = t.weight_decay
+    scheduler._last_lr = [group["lr"] for group in run.optimizer.param_groups]
+
+
+class ConfigChangedOnResume(ValueError):
+    """The config differs from the checkpoint's in keys that change what is trained."""
+
+
+def resume_config_changes(
+    cfg: Config, checkpoint_dir: Path, run_dir: Path, allow: bool
+) -> list[tuple[str, Any, Any]]:
+    """The run-changing keys in which `cfg` differs from the config `checkpoint_dir` was
+    trained with (its own copy, else the run directory's config.yaml). Raises
+    ConfigChangedOnResume naming them unless `allow`."""
+    import yaml
+
+    for source in (checkpoint_dir / RUN_CONFIG, run_dir / "config.yaml"):
+        if source.is_file():
+            break
+    else:
+        return []
+    try:
+        saved = yaml.safe_load(source.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{source} is not valid YAML: {e}") from None
+    changes = run_changes(saved if isinstance(saved, dict) else {}, cfg)
+    if changes and not allow:
+        listed = ", ".join(f"{k} (was {old!r}, now {new!r})" for k, old, new in changes)
+        raise ConfigChangedOnResume(
+            f"--resume: the config differs from {source}'s in keys that change the run: "
+            f"{listed}; restore them, or pass --allow-config-change to apply the new values "
+            "from here on (config.yaml and the checkpoints will record them)"
+        )
+    return changes
+
+
+# --- The run: setup, loop, checkpoints, summary ----------------------------------------------
 
 
 def load_start_model(cfg: Config, device: torch.device):
@@ -707,11 +825,13 @@ def train(
     core: CoreFns | None = None,
     console: Console | None = None,
     skip_preflight: bool = False,
+    allow_config_change: bool = False,
 ) -> dict[str, Any]:
     """Run GRPO as configured; returns the summary (also written to summary.json).
 
     The preflight checks run first, on this model and a real batch, and training refuses to
-    start if one fails (PreflightFailed) unless `skip_preflight`."""
+    start if one fails (PreflightFailed) unless `skip_preflight`. A resume whose config
+    changes what is trained is refused unless `allow_config_change`."""
     console = console or wide_console()
     t = cfg.trainer
     wall_start = time.time()
@@ -728,60 +848,42 @@ def train(
     if d.on:  # every rank names rank 0's directory ({time} may differ between processes)
         cfg.output_dir = dist_module.all_gather_objects(cfg.output_dir, d)[0]
     output_dir = run_dir = Path(cfg.output_dir)
-    if d.main:
-        prepare_output_dir(output_dir, bool(resume), overwrite)
-    dist_module.barrier(d)
-
-    resume_dir: Path | None = None
+    # Everything is checked before the run directory changes: a failed command leaves it as
+    # it was.
+    check_output_dir(output_dir, bool(resume), overwrite)
+    resume_dir, passed_over = None, []
     if resume:
-        resume_dir = latest_checkpoint(output_dir) if resume is True else Path(resume)
-        if resume_dir is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in output_dir={str(output_dir)!r}")
-        if not resume_dir.is_dir():
-            raise FileNotFoundError(f"--resume {str(resume_dir)!r}: no such checkpoint directory")
+        resume_dir, passed_over = resume_point(output_dir, None if resume is True else resume)
 
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_start_model(cfg, device)
     run = make_run(cfg, model, tokenizer, device, core, d)
     model = run.model  # sharded or LoRA-wrapped
-    start_step, state = 0, {}
+    start_step, state, changes = 0, {}, []
     if resume_dir is not None:
-        check_same_model(model, resume_dir)
-        saved, _, extra, state = load_checkpoint(resume_dir, cfg.model.dtype, str(device))
-        if is_lora(model):  # the base weights are the start model's; saved holds them merged
-            load_lora_adapter(model, resume_dir)
-        elif (resume_dir / ADAPTER_DIR).is_dir():
-            raise ValueError(
-                f"--resume {str(resume_dir)!r}: a LoRA checkpoint; resume it with the "
-                "trainer.lora_* settings it was trained with"
-            )
-        elif dist_module.is_sharded(model):
-            dist_module.load_full_model_state(model, saved.state_dict())
-        else:
-            model.load_state_dict(saved.state_dict())
-        del saved
-        if dist_module.is_named_optimizer_state(extra["optimizer"]):  # saved by a multi-rank run
-            dist_module.load_full_optimizer_state(model, run.optimizer, extra["optimizer"])
-        elif dist_module.is_sharded(model):
-            raise ValueError(
-                f"--resume {str(resume_dir)!r}: a single-process checkpoint resumes under "
-                "trainer.distributed=ddp, not fsdp"
-            )
-        else:
-            run.optimizer.load_state_dict(extra["optimizer"])
-        run.scheduler.load_state_dict(extra["scheduler"])
-        run.data_gen.set_state(extra["data_generator"])
-        set_rng_state(extra["rng"])
-        start_step = state["step"]
-        run.skipped_steps = state.get("skipped_steps", 0)
-        run.consecutive_nonfinite = state.get("consecutive_nonfinite", 0)
-        run.engine.sync_weights(model)
+        changes = resume_config_changes(cfg, resume_dir, run_dir, allow_config_change)
+        start_step, state = restore(run, resume_dir)
         console.print(f"resuming from {resume_dir} at step {start_step}")
+    if d.main:
+        for leftover in prepare_output_dir(output_dir, bool(resume), overwrite):
+            console.print(f"removed {leftover} (left by a save cut short)")
+        for damaged, why in passed_over:  # out of the listing, kept for a look
+            console.print(
+                f"[yellow]warning:[/yellow] {damaged} is damaged ({escape(why)}): resumed from "
+                f"{resume_dir.name} instead; the damaged one is now {set_aside(damaged).name}"
+            )
+    dist_module.barrier(d)
     optimizer, scheduler, data_gen, task = run.optimizer, run.scheduler, run.data_gen, run.task
     engine, accuracy = run.engine, run.accuracy
     if not d.main:
         output_dir = Path(tempfile.mkdtemp(prefix=f"grpolab-rank{d.rank}-"))
 
+    if changes:
+        listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changes)
+        console.print(f"[yellow]config changed on resume (applied):[/yellow] {escape(listed)}")
+        state.setdefault("config_changes", []).append(
+            {"step": start_step, "changes": {k: [old, new] for k, old, new in changes}}
+        )
     card = core_module.objective_card(objective_fields(cfg))
     if is_on_policy(cfg):
         card += (
@@ -842,21 +944,32 @@ def train(
             "accuracy_before": accuracy_before,
             "eval_history": history,
             "wall_seconds": prior_wall + time.time() - wall_start,
+            "config_changes": state.get("config_changes", []),
         }
         path = run_dir / f"checkpoint-{step}"
         if d.main:
             plain = model if weights is None else unsharded_copy(model, weights)
-            path = save_checkpoint(run_dir, step, plain, tokenizer, extra, info, t.save_total_limit)
+            path = save_checkpoint(
+                run_dir, step, plain, tokenizer, extra, info, t.save_total_limit, to_yaml(cfg)
+            )
         dist_module.barrier(d)
         return path
 
     limits = limits_for(t, cfg.model.dtype)
     scheme_a = t.logprob_source == "trainer"
     step = start_step
-    with progress_bar(console, t.progress) as bar:
+    interrupted = False
+    with progress_bar(console, t.progress) as bar, StopRequests(bar.console) as stop:
         task_id = bar.add_task("grpo", total=cfg.max_steps, completed=start_step, info="")
         for step in range(start_step + 1, cfg.max_steps + 1):
-            metrics, batch = grpo_step(run, step)
+            try:
+                metrics, batch = grpo_step(run, step)
+            except KeyboardInterrupt:  # a second Ctrl-C: the step is incomplete, not saved
+                tracker.close()
+                raise Interrupted(
+                    f"interrupted during step {step}; it was not saved. "
+                    f"{last_checkpoint_note(run_dir)}"
+                ) from None
             if metrics["skipped"]:
                 run.skipped_steps += 1
                 run.consecutive_nonfinite += 1
@@ -912,9 +1025,19 @@ def train(
                     f"a non-finite value, first {batch['what']}; weights unchanged since the "
                     f"last good step, saved to {path}; replay capsule {capsule}"
                 )
+            if dist_module.any_rank(stop.requested, d):  # Ctrl-C / SIGTERM: stop here
+                interrupted = True
+                break
             if t.save_steps and step % t.save_steps == 0 and step < cfg.max_steps:
                 save(step)
 
+    if interrupted:
+        path = save(step)
+        tracker.close()
+        raise Interrupted(
+            f"stopped after step {step} ({stop.signal_name}); checkpoint {path}; continue with "
+            f"`grpolab train ... output_dir={run_dir} --resume`"
+        )
     checkpoint = (
         save(cfg.max_steps) if cfg.max_steps > start_step or resume_dir is None else resume_dir
     )
@@ -934,6 +1057,7 @@ def train(
         "wall_seconds": prior_wall + time.time() - wall_start,
         "checkpoint": str(checkpoint),
         "eval_examples": min(t.eval_examples, len(task.eval)),
+        "config_changes": state.get("config_changes", []),
     }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     close_engine = getattr(run.engine, "close", None)
