@@ -237,7 +237,7 @@ def train(out: Path) -> None:
     (trainer.torch_compile). Time split: log-prob forward, backward, optimizer step."""
     from grpolab import core
     from grpolab.logprobs import token_logprobs
-    from grpolab.trainer import compile_decoder_layers
+    from grpolab.setup import compile_decoder_layers
 
     B, T, P = (4 if SMOKE else 64), PROMPT_LEN + NEW_TOKENS, PROMPT_LEN
     g = torch.Generator().manual_seed(1)

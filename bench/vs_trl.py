@@ -123,7 +123,7 @@ def load_demo_model():
     import transformers
 
     from grpolab.models import load_policy
-    from grpolab.trainer import DEMO_MODEL_DIR
+    from grpolab.setup import DEMO_MODEL_DIR
 
     transformers.utils.logging.disable_progress_bar()
 
@@ -138,20 +138,21 @@ def peak_rss_mb() -> float:
 
 
 def run_grpolab(s: Settings, seed: int) -> WorkerResult:
-    from grpolab.trainer import grpo_step, make_run
+    from grpolab.setup import build_run
+    from grpolab.step import grpo_step
 
     torch.set_num_threads(s.threads)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = grpolab_config(s, seed, tmp)
         torch.manual_seed(seed)
         model, tokenizer = load_demo_model()
-        run = make_run(cfg, model, tokenizer, torch.device("cpu"))
+        run = build_run(cfg, model, tokenizer, torch.device("cpu"))
         rows = []
         for step in range(1, s.steps + 1):
             tic = time.perf_counter()
             metrics, batch = grpo_step(run, step)
             wall = time.perf_counter() - tic
-            rows.append((metrics, wall, int(batch["attention_mask"].sum())))
+            rows.append((metrics, wall, int(batch.attention_mask.sum())))
     return WorkerResult(
         trainer="grpolab",
         seed=seed,
@@ -323,10 +324,10 @@ def loss_parity(loss_agg: str, beta: float = 0.0, seed: int = 0, s: Settings | N
     """(grpolab loss, TRL loss) on one fixed batch: the warm-up model's own rollout of the
     seed's first prompts, grpolab's rewards and advantages fed to both."""
     from grpolab import core
+    from grpolab.functions import core_functions
     from grpolab.rewards import load_rewards, score
     from grpolab.rollout.hf import HFEngine
     from grpolab.tasks import load_task
-    from grpolab.trainer import default_core
 
     s = s or Settings(steps=1, prompts_per_step=4, num_generations=4)
     s = Settings(**{**asdict(s), "loss_agg": loss_agg, "beta": beta})
@@ -350,7 +351,7 @@ def loss_parity(loss_agg: str, beta: float = 0.0, seed: int = 0, s: Settings | N
             for p in ref.parameters():
                 p.add_(0.01 * torch.randn_like(p))
 
-    C = default_core(cfg.trainer.logprobs)
+    C = core_functions(cfg.trainer.logprobs)
     model.train()
     ids, attn, cmask = rollout.input_ids, rollout.attention_mask, rollout.completion_mask
     logp, mask = C.sequence_logprobs(model, ids, attn, cmask, s.temperature)

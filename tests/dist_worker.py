@@ -14,7 +14,9 @@ import torch
 
 from grpolab import dist as dist_module
 from grpolab.config import load_config
-from grpolab.trainer import grpo_step, load_start_model, make_run, train
+from grpolab.setup import build_run, load_start_model
+from grpolab.step import grpo_step
+from grpolab.trainer import train
 
 MODES = ("sequence", "token", "constant")
 
@@ -80,7 +82,7 @@ def vllm_steps(cfg, d=None) -> dict[str, object]:
     from grpolab.rollout.vllm import WeightSyncError, engine_state_dict
 
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
-    run = make_run(cfg, model, tokenizer, dist=d)
+    run = build_run(cfg, model, tokenizer, dist=d)
     try:
         gaps = [grpo_step(run, step)[0]["engine/sync_gap"] for step in (1, 2)]
         params = dist_module.full_state_dict(run.model)  # on rank 0
@@ -127,7 +129,7 @@ def main() -> None:
     for loss_type in MODES:
         cfg = split_config(mode, loss_type, out / "unused", accumulation=2)
         model, tokenizer = load_start_model(cfg, torch.device("cpu"))
-        run = make_run(cfg, model, tokenizer, dist=d)
+        run = build_run(cfg, model, tokenizer, dist=d)
         metrics, batch = grpo_step(run, 1)
         reducer = run.reducer
         results[loss_type] = {
@@ -137,18 +139,18 @@ def main() -> None:
             "grads": full_grads(run.model),
             "grad_norm": metrics["grad_norm"],
             "loss": metrics["loss"],
-            "rows": batch["input_ids"].shape[0],
+            "rows": batch.input_ids.shape[0],
         }
     # rollout_split=local: each rank samples its own groups; the replicas stay equal.
     cfg = split_config(mode, "token", out / "unused", accumulation=1)
     cfg.trainer.rollout_split = "local"
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
-    run = make_run(cfg, model, tokenizer, dist=d)
+    run = build_run(cfg, model, tokenizer, dist=d)
     _, batch = grpo_step(run, 1)
     local = {k: v.float().sum().item() for k, v in run.model.state_dict().items()}
     if mode == "ddp":  # fsdp holds shards; its sums differ by design
         results["local_params_per_rank"] = dist_module.all_gather_objects(local, d)
-    results["local_prompts_per_rank"] = dist_module.all_gather_objects(batch["prompts"], d)
+    results["local_prompts_per_rank"] = dist_module.all_gather_objects(batch.rollout.prompts, d)
 
     cfg = load_config(None, demo_overrides(out / "demo", mode))
     train(cfg, skip_preflight=True)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpolab import checks
+from grpolab.functions import ImplLoadError, load_impl
 from grpolab.models import build_char_tokenizer, build_tiny_model
 from grpolab.rollout.base import SamplingParams
 from grpolab.rollout.hf import HFEngine
@@ -75,7 +76,7 @@ def test_the_core_passes_every_check(model_and_batch):
 @pytest.mark.parametrize("mutant", sorted(CAUGHT_BY))
 def test_each_mutant_fails_its_named_check(model_and_batch, mutant):
     model, batch = model_and_batch
-    impl = checks.load_impl(MUTANTS / f"{mutant}.py")
+    impl = load_impl(MUTANTS / f"{mutant}.py")
     results = by_id(checks.run_checks(model, batch, impl=impl))
     named = results[CAUGHT_BY[mutant]]
     assert not named.passed, named
@@ -100,7 +101,7 @@ def test_impl_errors_point_at_the_line(tmp_path, model_and_batch):
     model, batch = model_and_batch
     bad = tmp_path / "my_grpo.py"
     bad.write_text("import torch\n\n\ndef kl_k3(logp_new, logp_ref):\n    return logp_new.foo()\n")
-    results = checks.run_checks(model, batch, impl=checks.load_impl(bad))
+    results = checks.run_checks(model, batch, impl=load_impl(bad))
     kl = by_id(results)["kl.nonnegative"]
     assert not kl.passed and kl.error_line == 5 and "AttributeError" in kl.error
     assert f"{bad}:5" in kl.error
@@ -109,22 +110,22 @@ def test_impl_errors_point_at_the_line(tmp_path, model_and_batch):
 
 
 def test_impl_load_errors(tmp_path):
-    with pytest.raises(checks.ImplLoadError, match="no such file"):
-        checks.load_impl(tmp_path / "missing.py")
+    with pytest.raises(ImplLoadError, match="no such file"):
+        load_impl(tmp_path / "missing.py")
     syntax = tmp_path / "syntax.py"
     syntax.write_text("def kl_k3(a, b):\n    return a -\n")
-    with pytest.raises(checks.ImplLoadError) as err:
-        checks.load_impl(syntax)
+    with pytest.raises(ImplLoadError) as err:
+        load_impl(syntax)
     assert err.value.line == 2 and "syntax error" in str(err.value)
     raising = tmp_path / "raising.py"
     raising.write_text("x = 1\nraise RuntimeError('boom')\n")
-    with pytest.raises(checks.ImplLoadError) as err:
-        checks.load_impl(raising)
+    with pytest.raises(ImplLoadError) as err:
+        load_impl(raising)
     assert err.value.line == 2 and "boom" in str(err.value)
 
 
 def test_impl_source_names_what_was_replaced():
-    impl = checks.load_impl(MUTANTS / "naive_kl.py")
+    impl = load_impl(MUTANTS / "naive_kl.py")
     assert impl.source["kl_k3"].endswith("naive_kl.py")
     assert impl.source["grpo_loss"] == "grpolab"
 
@@ -142,7 +143,7 @@ def test_an_error_is_reported_under_the_check_it_interrupted(tmp_path, model_and
         "        model, ids, attention, completion, temperature\n"
         "    )\n"
     )
-    results = by_id(checks.run_checks(model, batch, impl=checks.load_impl(impl_file)))
+    results = by_id(checks.run_checks(model, batch, impl=load_impl(impl_file)))
     assert results["logprobs.shift"].passed  # measured before the failure: kept
     failed = results["logprobs.float32"]
     assert not failed.passed and failed.error_line == 7 and "no bf16 here" in failed.error

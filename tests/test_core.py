@@ -303,7 +303,15 @@ def test_objective_card_states_the_resolved_objective():
     card = core.objective_card(
         {"loss_type": "dr_grpo", "max_completion_length": 64, "beta": 0.04, "epsilon_high": 0.3}
     )
-    for fact in ["constant", "B * 64", "population std", "k3", "0.04", "[0.8, 1.3]", "scheme A"]:
+    for fact in [
+        "constant",
+        "B * 64",
+        "population std",
+        "k3",
+        "0.04",
+        "[0.8, 1.3]",
+        "extra forward",
+    ]:
         assert fact in card, fact
     assert "off" in core.objective_card(core.Objective())
 
@@ -315,7 +323,7 @@ def test_objective_card_reads_any_config_object():
         logprob_source = "engine"
 
     card = core.objective_card(TrainerConfig())
-    assert "G = 16" in card and "Dr. GRPO" in card and "scheme B" in card
+    assert "G = 16" in card and "Dr. GRPO" in card and "engine's log-probs" in card
 
 
 # --- input errors -------------------------------------------------------------------------

@@ -20,7 +20,9 @@ import torch
 
 from grpolab.checkpoint import load_checkpoint
 from grpolab.config import ConfigError, load_config, validate_world
-from grpolab.trainer import grpo_step, load_start_model, make_run, train
+from grpolab.setup import build_run, load_start_model
+from grpolab.step import grpo_step
+from grpolab.trainer import train
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_worker import MODES, demo_overrides, full_grads, split_config, vllm_overrides, vllm_steps
@@ -79,7 +81,7 @@ def one_process(tmp_path_factory):
         cfg = split_config("ddp", loss_type, out / "unused", accumulation=1)
         model, tokenizer = load_start_model(cfg, torch.device("cpu"))
         start = {k: v.clone() for k, v in model.state_dict().items()}
-        run = make_run(cfg, model, tokenizer)
+        run = build_run(cfg, model, tokenizer)
         metrics, _ = grpo_step(run, 1)
         split[loss_type] = {
             "params": model.state_dict(),

@@ -15,6 +15,7 @@ import pytest
 
 from grpolab import checks, core
 from grpolab.cli import main
+from grpolab.core import CORE_FUNCTIONS
 from grpolab.drill import hints, texts
 from grpolab.drill.diagnose import HINT_ORDER
 from grpolab.drill.runner import FAIL, PASS, TODO, Workbench
@@ -86,7 +87,7 @@ OPTIONAL_EXTRAS = {"token_weights"}
 def test_the_template_states_the_core_contract():
     namespace: dict = {}
     exec(compile(MY_GRPO, "my_grpo.py", "exec"), namespace)
-    for name in checks.CORE_FUNCTIONS:
+    for name in CORE_FUNCTIONS:
         ours = inspect.signature(namespace[name]).parameters
         reference = inspect.signature(getattr(core, name)).parameters
         # The learner writes the seed's contract; token_weights (truncated importance

@@ -15,8 +15,10 @@ from grpolab import core
 from grpolab.checkpoint import ADAPTER_DIR, save_checkpoint
 from grpolab.config import ConfigError, load_config, validate_world
 from grpolab.models import load_policy
-from grpolab.preflight import run_preflight
-from grpolab.trainer import grpo_step, is_lora, load_start_model, make_run, train
+from grpolab.preflight import preflight
+from grpolab.setup import build_run, is_lora, load_start_model
+from grpolab.step import grpo_step
+from grpolab.trainer import train
 
 TINY = [
     "trainer.prompts_per_step=4",
@@ -42,7 +44,7 @@ def test_two_steps_train_only_the_adapters_against_the_base_reference(tmp_path):
     cfg = lora_config(tmp_path)
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
     start = copy.deepcopy(model)
-    run = make_run(cfg, model, tokenizer)
+    run = build_run(cfg, model, tokenizer)
     assert is_lora(run.model) and run.ref_model is None
     trainable = {n for n, p in run.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
@@ -57,9 +59,9 @@ def test_two_steps_train_only_the_adapters_against_the_base_reference(tmp_path):
             assert torch.isfinite(torch.tensor(metrics[key])), key
         # The reference is the starting model: its log-probs, computed on the unwrapped copy.
         expected, mask = core.sequence_logprobs(
-            start, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+            start, batch.input_ids, batch.attention_mask, batch.completion_mask
         )
-        gap = (batch["logp_ref"] - expected).abs()[mask.bool()].max()
+        gap = (batch.logp_ref - expected).abs()[mask.bool()].max()
         assert gap <= 1e-5, f"step {step}: logp_ref differs from the base model by {gap}"
 
     after_base = base_weights(run.model)
@@ -73,7 +75,7 @@ def test_two_steps_train_only_the_adapters_against_the_base_reference(tmp_path):
 
 def test_preflight_passes_on_a_lora_model(tmp_path):
     cfg = lora_config(tmp_path)
-    results = run_preflight(cfg)
+    results = preflight(cfg)
     failed = [r.id for r in results if not r.passed]
     assert results and not failed, failed
     fused = [r for r in results if r.id == "logprobs.fused_vs_naive"]
@@ -92,7 +94,7 @@ def test_resume_is_bit_exact_with_lora(tmp_path):
 def test_the_checkpoint_is_the_merged_policy(tmp_path):
     cfg = lora_config(tmp_path, "max_steps=1")
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
-    run = make_run(cfg, model, tokenizer)
+    run = build_run(cfg, model, tokenizer)
     _, batch = grpo_step(run, 1)
     path = save_checkpoint(tmp_path / "saved", 1, run.model, tokenizer, {}, {})
     assert (path / ADAPTER_DIR / "adapter_config.json").is_file()
@@ -101,7 +103,7 @@ def test_the_checkpoint_is_the_merged_policy(tmp_path):
     merged, _ = load_policy(path)  # plain transformers, as vLLM would read it
     assert not is_lora(merged)
     assert not any("lora_" in k for k in merged.state_dict())
-    args = (batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
     with torch.no_grad():
         ours, mask = core.sequence_logprobs(run.model.eval(), *args)
         theirs, _ = core.sequence_logprobs(merged, *args)
@@ -145,7 +147,7 @@ def test_vllm_rollouts_sample_the_merged_policy(tmp_path):
 
     cfg = lora_config(tmp_path, "rollout.engine=vllm", "rollout.vllm_max_model_len=64")
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
-    run = make_run(cfg, model, tokenizer)
+    run = build_run(cfg, model, tokenizer)
     try:
         for step in (1, 2):
             metrics, _ = grpo_step(run, step)
@@ -174,7 +176,7 @@ def test_engine_prefills_once_per_prompt_on_a_lora_model(tmp_path):
 
     cfg = lora_config(tmp_path)
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
-    run = make_run(cfg, model, tokenizer)
+    run = build_run(cfg, model, tokenizer)
     with torch.no_grad():  # adapters away from zero: the LoRA path changes the outputs
         for name, p in run.model.named_parameters():
             if "lora_B" in name:

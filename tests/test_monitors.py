@@ -7,9 +7,10 @@ import pytest
 from grpolab.checkpoint import latest_checkpoint
 from grpolab.config import load_config
 from grpolab.models import load_policy, save_policy
-from grpolab.monitors import MonitorLimits, check_step
+from grpolab.monitors import MonitorLimits, MonitorStop, check_step
 from grpolab.preflight import PreflightFailed
-from grpolab.trainer import DEMO_MODEL_DIR, MonitorStop, train
+from grpolab.setup import DEMO_MODEL_DIR
+from grpolab.trainer import train
 
 HEALTHY = {
     "skipped": 0,
@@ -23,7 +24,7 @@ HEALTHY = {
 
 
 def test_a_healthy_step_gives_no_warning():
-    assert check_step(7, HEALTHY, MonitorLimits(), scheme_a=True) == []
+    assert check_step(7, HEALTHY, MonitorLimits(), trainer_logp_old=True) == []
 
 
 @pytest.mark.parametrize(
@@ -39,7 +40,7 @@ def test_a_healthy_step_gives_no_warning():
     ],
 )
 def test_each_quantity_out_of_range_is_named_with_its_step(key, value, named):
-    warnings = check_step(12, HEALTHY | {key: value}, MonitorLimits(), scheme_a=True)
+    warnings = check_step(12, HEALTHY | {key: value}, MonitorLimits(), trainer_logp_old=True)
     assert len(warnings) == 1
     assert warnings[0].startswith("step 12:") and named in warnings[0]
 
@@ -47,11 +48,11 @@ def test_each_quantity_out_of_range_is_named_with_its_step(key, value, named):
 def test_ratio_is_watched_only_for_scheme_a():
     # Scheme B's logp_old comes from the engine: its gap is watched instead.
     bad_ratio = HEALTHY | {"monitor/ratio_dev": 0.05}
-    assert check_step(3, bad_ratio, MonitorLimits(), scheme_a=False) == []
+    assert check_step(3, bad_ratio, MonitorLimits(), trainer_logp_old=False) == []
 
 
 def test_missing_or_nan_quantities_are_not_warnings():
-    assert check_step(1, {"kl": float("nan")}, MonitorLimits(), scheme_a=True) == []
+    assert check_step(1, {"kl": float("nan")}, MonitorLimits(), trainer_logp_old=True) == []
 
 
 # --- In the trainer -----------------------------------------------------------------------------

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpolab.checks import load_impl
 from grpolab.config import ConfigError, load_config
+from grpolab.functions import load_impl
 from grpolab.rollout.hf import HFEngine
-from grpolab.trainer import grpo_step, load_start_model, make_run
+from grpolab.setup import build_run, load_start_model
+from grpolab.step import grpo_step
 
 TINY = [
     "trainer.prompts_per_step=4",
@@ -23,7 +24,7 @@ TINY = [
 def _run(tmp_path, *overrides):
     cfg = load_config(None, [f"output_dir={tmp_path}", *TINY, *overrides])
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
-    return make_run(cfg, model, tokenizer), tokenizer
+    return build_run(cfg, model, tokenizer), tokenizer
 
 
 def test_an_engine_on_the_same_weights_gets_weights_of_one(tmp_path):
@@ -61,4 +62,4 @@ def test_a_learners_seed_signature_loss_is_refused_with_tis(tmp_path):
     cfg = load_config(None, [f"output_dir={tmp_path}", *TINY, "trainer.tis_cap=2"])
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"token_weights; the one from .*sign_flipped\.py"):
-        make_run(cfg, model, tokenizer, core=impl)
+        build_run(cfg, model, tokenizer, functions=impl)

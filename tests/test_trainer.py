@@ -13,16 +13,12 @@ from grpolab import core
 from grpolab.checkpoint import latest_checkpoint, save_checkpoint
 from grpolab.cli import main
 from grpolab.config import load_config
+from grpolab.functions import core_functions
 from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model, load_policy
-from grpolab.trainer import (
-    NonFiniteError,
-    default_core,
-    grpo_step,
-    load_start_model,
-    lr_lambda,
-    make_run,
-    train,
-)
+from grpolab.monitors import NonFiniteError
+from grpolab.setup import build_run, load_start_model, lr_lambda
+from grpolab.step import grpo_step
+from grpolab.trainer import train
 
 SMALL = [
     "trainer.prompts_per_step=4",
@@ -41,7 +37,7 @@ def seq_logp(run, batch) -> torch.Tensor:
     """Sum of completion log-probs per sequence under the run's model: [B]."""
     with torch.no_grad():
         logp, mask = core.sequence_logprobs(
-            run.model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+            run.model, batch.input_ids, batch.attention_mask, batch.completion_mask
         )
     return (logp * mask).sum(1)
 
@@ -50,9 +46,9 @@ def test_one_step_moves_logprobs_toward_positive_advantages(tmp_path):
     cfg = small_config(tmp_path, "trainer.prompts_per_step=8", "trainer.learning_rate=1e-3")
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    run = make_run(cfg, model, tokenizer)
+    run = build_run(cfg, model, tokenizer)
     metrics, batch = grpo_step(run, 1)
-    adv = batch["advantages"]  # [B]
+    adv = batch.advantages  # [B]
     assert adv.abs().sum() > 0, "no group had mixed rewards; pick another seed"
     after_logp = seq_logp(run, batch)
     model.load_state_dict(before)
@@ -80,9 +76,9 @@ def test_gradient_accumulation_equals_one_pass(tmp_path, loss_type):
             "trainer.logprobs=core",
         )
         model, tokenizer = load_start_model(cfg, torch.device("cpu"))
-        run = make_run(cfg, model, tokenizer)
+        run = build_run(cfg, model, tokenizer)
         _, batch = grpo_step(run, 1)
-        assert batch["advantages"].abs().sum() > 0
+        assert batch.advantages.abs().sum() > 0
         grads.append([p.grad.clone() for p in model.parameters()])
     for one, acc in zip(*grads, strict=True):
         torch.testing.assert_close(acc, one, rtol=1e-4, atol=1e-7)
@@ -207,9 +203,9 @@ def test_nonfinite_guard_stops_with_checkpoint_and_capsule(tmp_path):
         tmp_path, "max_steps=5", "trainer.max_consecutive_nonfinite=2", "trainer.eval_examples=0"
     )
     start, _ = load_start_model(cfg, torch.device("cpu"))
-    bad_core = dataclasses.replace(default_core("core"), grpo_loss=nan_after(1))
+    bad_core = dataclasses.replace(core_functions("naive"), grpo_loss=nan_after(1))
     with pytest.raises(NonFiniteError, match="loss") as err:
-        train(cfg, core=bad_core, skip_preflight=True)  # the preflight would catch it first
+        train(cfg, functions=bad_core, skip_preflight=True)  # the preflight would catch it first
     assert "step 2" in str(err.value)
     saved, _ = load_policy(latest_checkpoint(cfg.output_dir))
     for (name, p0), p1 in zip(start.state_dict().items(), saved.state_dict().values(), strict=True):
@@ -229,8 +225,8 @@ def test_nonfinite_step_is_skipped_and_training_goes_on(tmp_path):
         loss, metrics = core.grpo_loss(*args, **kwargs)
         return (loss * float("nan") if calls["n"] == 1 else loss), metrics
 
-    bad_core = dataclasses.replace(default_core("core"), grpo_loss=grpo_loss)
-    summary = train(cfg, core=bad_core, skip_preflight=True)
+    bad_core = dataclasses.replace(core_functions("naive"), grpo_loss=grpo_loss)
+    summary = train(cfg, functions=bad_core, skip_preflight=True)
     assert summary["steps"] == 3 and summary["skipped_steps"] == 1
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in rows] == [1, 0, 0]
@@ -285,9 +281,9 @@ def test_missing_tracker_package_is_a_clear_error(tmp_path, capsys):
 def test_scheme_b_takes_logp_old_from_the_engine(tmp_path):
     cfg = small_config(tmp_path, "trainer.logprob_source=engine")
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
-    run = make_run(cfg, model, tokenizer)
+    run = build_run(cfg, model, tokenizer)
     metrics, batch = grpo_step(run, 1)
-    assert batch["logp_old"] is not None
+    assert batch.logp_old is not None
     # The engine's log-probs are the sampler's own: the first ratio is 1 up to float noise.
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
     assert metrics["clip_frac"] == 0.0

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from grpolab.config import ConfigError, load_config
-from grpolab.trainer import grpo_step, load_start_model, make_run
+from grpolab.setup import build_run, load_start_model
+from grpolab.step import grpo_step
 
 
 def small_run_config(output_dir, *overrides: str):
@@ -33,9 +34,9 @@ def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
             f"trainer.gradient_checkpointing={str(on).lower()}",
         )
         model, tokenizer = load_start_model(cfg, torch.device("cpu"))
-        run = make_run(cfg, model, tokenizer)
+        run = build_run(cfg, model, tokenizer)
         _, batch = grpo_step(run, 1)
-        assert batch["advantages"].abs().sum() > 0
+        assert batch.advantages.abs().sum() > 0
         grads.append([p.grad.clone() for p in model.parameters()])
         checkpointed.append(model.is_gradient_checkpointing)
     assert checkpointed == [False, True]
@@ -53,7 +54,7 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_an_exact_first_ratio(tmp_pa
         )
         model, tokenizer = load_start_model(cfg, torch.device("cpu"))
         start = [p.detach().clone() for p in model.parameters()]
-        run = make_run(cfg, model, tokenizer)
+        run = build_run(cfg, model, tokenizer)
         metrics, _ = grpo_step(run, 1)
         assert all(p.dtype == torch.float32 for p in model.parameters())
         assert any(not torch.equal(a, p) for a, p in zip(start, model.parameters(), strict=True))
@@ -74,13 +75,13 @@ def test_autocast_takes_off_or_bf16():
 def test_torch_compile_compiles_the_layer_parts_and_changes_nothing(tmp_path):
     """trainer.torch_compile: the MLP and norms of each decoder layer compiled (attention, which
     takes the KV cache, stays eager); two steps give what the eager model gives."""
-    from grpolab.trainer import compile_decoder_layers
+    from grpolab.setup import compile_decoder_layers
 
     results = {}
     for on in (False, True):
         cfg = small_run_config(tmp_path / str(on), f"trainer.torch_compile={str(on).lower()}")
         model, tokenizer = load_start_model(cfg, torch.device("cpu"))
-        run = make_run(cfg, model, tokenizer)
+        run = build_run(cfg, model, tokenizer)
         metrics = [grpo_step(run, step)[0] for step in (1, 2)]
         layer = model.model.layers[0]
         compiled = [name for name, m in layer.named_children() if m._compiled_call_impl]

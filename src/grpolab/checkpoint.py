@@ -1,7 +1,9 @@
-"""Checkpoints: Hugging Face weights + optimizer, scheduler, RNG and data position, written
-atomically (temporary directory, then rename), so a crash never leaves a half checkpoint
-as the latest one. A LoRA (peft) policy is saved merged, so transformers and vLLM load the
-checkpoint as a plain model, with its adapter in adapter/ for resuming."""
+"""Checkpoints: Hugging Face weights + optimizer, scheduler, RNG and data position and the
+run's config, written atomically (temporary directory, then rename) with a manifest of
+every file, so a crash never leaves a half checkpoint as the latest one and a file damaged
+later is found before a resume trusts it. A LoRA (peft) policy is saved merged, so
+transformers and vLLM load the checkpoint as a plain model, with its adapter in adapter/
+for resuming. `save_run` / `restore` write and read a whole run's state."""
 
 from __future__ import annotations
 
@@ -16,8 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+import yaml
 
+from grpolab import dist as dist_module
+from grpolab.config import Config, run_changes, to_yaml
 from grpolab.models import load_policy, save_policy
+from grpolab.setup import Run, is_lora
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 # Written last, inside the temporary directory, before the rename: the step and the size and
@@ -277,3 +284,152 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# --- A whole run's state ----------------------------------------------------------------------
+
+
+def save_run(run: Run, run_dir: Path, step: int, progress: dict[str, Any]) -> Path:
+    """checkpoint-{step} of `run` in `run_dir`; `progress`: the loop's own state (evaluation
+    history, wall time, ...), kept in trainer_state.json. Under torchrun every rank takes
+    part (whole tensors keyed by name, so the checkpoint loads at any world size) and rank 0
+    writes it."""
+    model, d = run.model, run.dist
+    sharded = dist_module.is_sharded(model)
+    weights = dist_module.full_state_dict(model) if sharded else None
+    optimizer = (
+        dist_module.full_optimizer_state(model, run.optimizer)
+        if d.on
+        else run.optimizer.state_dict()
+    )
+    extra = {
+        "optimizer": optimizer,
+        "scheduler": run.scheduler.state_dict(),
+        "data_generator": run.prompt_generator.get_state(),
+        "rng": rng_state(),
+    }
+    state = {
+        "skipped_steps": run.skipped_steps,
+        "consecutive_nonfinite": run.consecutive_nonfinite,
+        **progress,
+    }
+    path = Path(run_dir) / f"checkpoint-{step}"
+    if d.main:
+        plain = model if weights is None else unsharded_copy(model, weights)
+        limit = run.cfg.trainer.save_total_limit
+        path = save_checkpoint(
+            run_dir, step, plain, run.tokenizer, extra, state, limit, to_yaml(run.cfg)
+        )
+    dist_module.barrier(d)
+    return path
+
+
+def restore(run: Run, checkpoint_dir: Path) -> tuple[int, dict[str, Any]]:
+    """Load a checkpoint's weights, optimizer moments, schedule position, prompt-draw position
+    and RNG into `run`; returns (its step, its state). The optimizer's hyperparameters
+    (learning rate, betas, weight decay) come from the run's config, so a changed learning
+    rate that was allowed reaches the optimizer and the schedule."""
+    cfg, model = run.cfg, run.model
+    check_same_model(model, checkpoint_dir)
+    saved, _, extra, state = load_checkpoint(checkpoint_dir, cfg.model.dtype, str(run.device))
+    if is_lora(model):  # the base weights are the start model's; saved holds them merged
+        load_lora_adapter(model, checkpoint_dir)
+    elif (checkpoint_dir / ADAPTER_DIR).is_dir():
+        raise ValueError(
+            f"--resume {str(checkpoint_dir)!r}: a LoRA checkpoint; resume it with the "
+            "trainer.lora_* settings it was trained with"
+        )
+    elif dist_module.is_sharded(model):
+        dist_module.load_full_model_state(model, saved.state_dict())
+    else:
+        model.load_state_dict(saved.state_dict())
+    del saved
+    if dist_module.is_named_optimizer_state(extra["optimizer"]):  # saved by a multi-rank run
+        dist_module.load_full_optimizer_state(model, run.optimizer, extra["optimizer"])
+    elif dist_module.is_sharded(model):
+        raise ValueError(
+            f"--resume {str(checkpoint_dir)!r}: a single-process checkpoint resumes under "
+            "trainer.distributed=ddp, not fsdp"
+        )
+    else:
+        run.optimizer.load_state_dict(extra["optimizer"])
+    run.scheduler.load_state_dict(extra["scheduler"])
+    apply_optimizer_config(run)
+    run.prompt_generator.set_state(extra["data_generator"])
+    set_rng_state(extra["rng"])
+    run.skipped_steps = state.get("skipped_steps", 0)
+    run.consecutive_nonfinite = state.get("consecutive_nonfinite", 0)
+    run.engine.sync_weights(model)
+    return state["step"], state
+
+
+def apply_optimizer_config(run: Run) -> None:
+    """Learning rate, betas and weight decay from the config into the optimizer and the LR
+    schedule (a loaded state dict brings the checkpoint's). With an unchanged config this
+    rewrites the values they already hold: base_lr * multiplier(step) is the schedule's own
+    formula."""
+    t = run.cfg.trainer
+    scheduler = run.scheduler
+    scheduler.base_lrs = [t.learning_rate] * len(scheduler.base_lrs)
+    for group, multiplier in zip(run.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = t.learning_rate
+        group["lr"] = t.learning_rate * multiplier(scheduler.last_epoch)
+        group["betas"] = (t.adam_beta1, t.adam_beta2)
+        group["weight_decay"] = t.weight_decay
+    scheduler._last_lr = [group["lr"] for group in run.optimizer.param_groups]
+
+
+def unsharded_copy(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain transformers model holding `weights` (a sharded model's full state dict)."""
+    plain = transformers.AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
+    plain.load_state_dict(weights)
+    plain.generation_config = model.generation_config
+    return plain
+
+
+def load_lora_adapter(model: torch.nn.Module, checkpoint_dir: Path) -> None:
+    """Restore the adapter weights a LoRA checkpoint holds in adapter/."""
+    from peft import load_peft_weights, set_peft_model_state_dict
+
+    adapter = checkpoint_dir / ADAPTER_DIR
+    if not adapter.is_dir():
+        raise ValueError(
+            f"--resume {str(checkpoint_dir)!r}: no {ADAPTER_DIR}/ there (a full fine-tuning "
+            "checkpoint); resume it with trainer.lora_r=0"
+        )
+    result = set_peft_model_state_dict(model, load_peft_weights(str(adapter)))
+    if result.unexpected_keys:
+        raise ValueError(
+            f"--resume {str(checkpoint_dir)!r}: its adapter does not match trainer.lora_* "
+            f"(unexpected {result.unexpected_keys[:3]})"
+        )
+
+
+class ConfigChangedOnResume(ValueError):
+    """The config differs from the checkpoint's in keys that change what is trained."""
+
+
+def resume_config_changes(
+    cfg: Config, checkpoint_dir: Path, run_dir: Path, allow: bool
+) -> list[tuple[str, Any, Any]]:
+    """The run-changing keys in which `cfg` differs from the config `checkpoint_dir` was
+    trained with (its own copy, else the run directory's config.yaml). Raises
+    ConfigChangedOnResume naming them unless `allow`."""
+    for source in (checkpoint_dir / RUN_CONFIG, run_dir / "config.yaml"):
+        if source.is_file():
+            break
+    else:
+        return []
+    try:
+        saved = yaml.safe_load(source.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{source} is not valid YAML: {e}") from None
+    changes = run_changes(saved if isinstance(saved, dict) else {}, cfg)
+    if changes and not allow:
+        listed = ", ".join(f"{k} (was {old!r}, now {new!r})" for k, old, new in changes)
+        raise ConfigChangedOnResume(
+            f"--resume: the config differs from {source}'s in keys that change the run: "
+            f"{listed}; restore them, or pass --allow-config-change to apply the new values "
+            "from here on (config.yaml and the checkpoints will record them)"
+        )
+    return changes

@@ -1,35 +1,26 @@
 """The preflight: every intermediate quantity of GRPO measured before training may start.
 
-The seed's seven goals (SPEC S8) plus the checks users of GRPO trainers lose days to. Each
-check measures a number on the user's real model and batch, compares it with what a correct
-implementation gives, and on failure names the likely bug. The functions under test come
-from a `CoreImpl`: grpolab's own core, or a user's file (`--impl`) with any of them.
+Seven goals (`GOALS`, one per piece of the algorithm) plus the checks users of GRPO trainers
+lose days to. Each check measures a number on the user's real model and batch, compares it
+with what a correct implementation gives, and on failure names the likely bug. The functions
+under test come from a `CoreFunctions` table: grpolab's, or a user's file (`--impl`, the
+drill) with any of them.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import math
-import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from grpolab import core
-
-CORE_FUNCTIONS = (
-    "sequence_logprobs",
-    "group_advantages",
-    "policy_loss",
-    "kl_k3",
-    "aggregate",
-    "grpo_loss",
-)
+from grpolab.core import CoreFunctions, Objective
+from grpolab.functions import impl_error_line
+from grpolab.models import eval_mode
 
 GOALS = {
     1: "log-probs: shifted by one, float32 before log-softmax, temperature applied",
@@ -46,66 +37,6 @@ GOALS = {
 
 
 @dataclass
-class CoreImpl:
-    """The six core functions under test, and where each one came from."""
-
-    sequence_logprobs: Callable = core.sequence_logprobs
-    group_advantages: Callable = core.group_advantages
-    policy_loss: Callable = core.policy_loss
-    kl_k3: Callable = core.kl_k3
-    aggregate: Callable = core.aggregate
-    grpo_loss: Callable = core.grpo_loss
-    source: dict[str, str] = field(default_factory=lambda: dict.fromkeys(CORE_FUNCTIONS, "grpolab"))
-    path: str | None = None
-
-
-class ImplLoadError(Exception):
-    """The user's implementation file could not be loaded (missing, syntax error, raises)."""
-
-    def __init__(self, message: str, line: int | None = None):
-        super().__init__(message)
-        self.line = line
-
-
-def load_impl(path: str | Path) -> CoreImpl:
-    """Load a Python file defining any of the core functions; the rest fall back to grpolab's."""
-    path = Path(path)
-    if not path.is_file():
-        raise ImplLoadError(f"--impl {str(path)!r}: no such file")
-    name = f"grpolab_impl_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as err:
-        raise ImplLoadError(
-            f"{path}:{err.lineno}: syntax error: {err.msg}", line=err.lineno
-        ) from None
-    except Exception as err:
-        line = impl_error_line(err, path)
-        raise ImplLoadError(
-            f"{path}:{line}: {type(err).__name__} while loading: {err}", line=line
-        ) from None
-    impl = CoreImpl(path=str(path))
-    for fn in CORE_FUNCTIONS:
-        if callable(getattr(module, fn, None)):
-            setattr(impl, fn, getattr(module, fn))
-            impl.source[fn] = str(path)
-    sys.modules.pop(name, None)
-    return impl
-
-
-def impl_error_line(err: BaseException, path: str | Path) -> int | None:
-    """The deepest line of `path` in the traceback of `err` (where the user's code failed)."""
-    target = str(Path(path).resolve())
-    line = None
-    for frame in traceback.extract_tb(err.__traceback__):
-        if str(Path(frame.filename).resolve()) == target:
-            line = frame.lineno
-    return line
-
-
-@dataclass
 class PreflightBatch:
     """A real rollout batch: rows are left-padded prompt + completion + right padding."""
 
@@ -117,18 +48,12 @@ class PreflightBatch:
     engine_logprobs: torch.Tensor | None = None  # [B, T-1], aligned like sequence_logprobs
 
 
-@dataclass
+@dataclass(frozen=True)
 class PreflightSettings:
-    """The declared objective the checks hold the implementation to."""
+    """What the checks hold the implementation to: the declared objective, and how closely
+    the engine must agree with the trainer."""
 
-    temperature: float = 1.0
-    loss_agg: str = "sequence"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    beta: float = 0.0
-    scale_rewards: str = "group"
-    advantage_eps: float = 1e-4
-    max_completion_length: int | None = None
+    objective: Objective = field(default_factory=Objective)
     engine_gap_max: float = 1e-3  # fp32 engines agree to ~1e-5; bf16 engines need more
     seed: int = 0
     shared_prefix: bool = True  # the trainer's fused log-probs run a group's prompt once
@@ -137,7 +62,7 @@ class PreflightSettings:
 @dataclass
 class CheckResult:
     id: str  # stable, e.g. "advantages.zero_std_groups"
-    goal: int  # 1..7 for the seed's goals, 0 for the checks beyond the seed
+    goal: int  # 1..7 for the seven goals, 0 for the checks beyond them
     what: str  # what was measured
     measured: Any  # the number (or a short string)
     expected: str
@@ -216,18 +141,18 @@ def _result(id: str, goal: int, what: str, measured, expected: str, passed: bool
     return CheckResult(id, goal, what, measured, expected, bool(passed), HINTS.get(id, ""))
 
 
-def _loss(impl: CoreImpl, logp_new, logp_old, logp_ref, advantages, mask, s, beta=0.0, L=None):
+def _loss(impl: CoreFunctions, logp_new, logp_old, logp_ref, advantages, mask, s, beta=0.0, L=None):
     return impl.grpo_loss(
         logp_new,
         logp_old,
         logp_ref,
         advantages,
         mask,
-        eps_low=s.eps_low,
-        eps_high=s.eps_high,
+        eps_low=s.objective.epsilon,
+        eps_high=s.objective.epsilon_high,
         beta=beta,
-        loss_agg=s.loss_agg,
-        max_completion_length=L or s.max_completion_length or logp_new.shape[1],
+        loss_agg=s.objective.loss_type,
+        max_completion_length=L or s.objective.max_completion_length or logp_new.shape[1],
     )
 
 
@@ -240,17 +165,13 @@ def _max_abs(x: torch.Tensor) -> float:
     return x.abs().max().item() if x.numel() else 0.0
 
 
-def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def _reference_logprobs(model, batch: PreflightBatch, temperature: float) -> torch.Tensor:
     """float64 log-softmax of the model's own logits: [B, T-1]."""
     with torch.no_grad():
         logits = model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
-            position_ids=_positions(batch.attention_mask),
+            position_ids=core.position_ids(batch.attention_mask),
         ).logits[:, :-1]
         logp = torch.log_softmax(logits.double() / temperature, dim=-1)
         return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
@@ -269,7 +190,7 @@ def _unpadded_rows(batch: PreflightBatch) -> PreflightBatch:
     )
 
 
-def check_logprobs(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
+def check_logprobs(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
     batch = _unpadded_rows(batch)
     comp = batch.completion_mask[:, 1:].bool()  # the true completion tokens, [B, T-1]
     with torch.no_grad():
@@ -312,7 +233,7 @@ def check_logprobs(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSet
         ok,
     )
 
-    temperature = s.temperature if s.temperature != 1.0 else 0.7
+    temperature = s.objective.temperature if s.objective.temperature != 1.0 else 0.7
     with torch.no_grad():
         logp_t, _ = impl.sequence_logprobs(
             model, batch.input_ids, batch.attention_mask, batch.completion_mask, temperature
@@ -335,7 +256,7 @@ def _reference_advantages(rewards: torch.Tensor, G: int, eps: float) -> torch.Te
     return torch.where(std > eps, adv, torch.zeros_like(adv)).view(-1)
 
 
-def check_advantages(impl: CoreImpl, batch: PreflightBatch, s: PreflightSettings):
+def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSettings):
     G = batch.group_size
     # The batch's own rewards, then a designed batch: small G (so population and sample std
     # differ by sqrt(G/(G-1))), an all-equal group, a float-noise group, and groups that an
@@ -397,12 +318,12 @@ def check_advantages(impl: CoreImpl, batch: PreflightBatch, s: PreflightSettings
     )
 
 
-def check_ratio(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
+def check_ratio(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature)
     # Both forwards in train mode, as the trainer runs them: dropout left on would show here.
     model.train()
     with torch.no_grad():
-        logp_old, _ = impl.sequence_logprobs(model, *args)  # scheme A: extra forward
+        logp_old, _ = impl.sequence_logprobs(model, *args)  # an extra forward
     logp_new, mask = impl.sequence_logprobs(model, *args)  # the first inner step, with grad
     model.eval()
     valid = batch.completion_mask[:, 1:].bool()
@@ -434,9 +355,11 @@ def check_ratio(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettin
 
 def _clip_case(s: PreflightSettings):
     """Ratios on both sides of both clip bounds, for both signs of the advantage, [4, 8]."""
-    lo, hi = 1 - s.eps_low, 1 + s.eps_high
-    mid_hi = 1 + (s.eps_low + s.eps_high) / 2  # between 1 + min(eps) and 1 + max(eps)
-    mid_lo = 1 - (s.eps_low + s.eps_high) / 2
+    lo, hi = 1 - s.objective.epsilon, 1 + s.objective.epsilon_high
+    mid_hi = (
+        1 + (s.objective.epsilon + s.objective.epsilon_high) / 2
+    )  # between 1 + min(eps) and 1 + max(eps)
+    mid_lo = 1 - (s.objective.epsilon + s.objective.epsilon_high) / 2
     ratios = torch.tensor(
         [
             [1.0, 1.05, hi + 0.1, hi + 0.5, lo - 0.1, 0.95, mid_hi, mid_lo],
@@ -463,11 +386,15 @@ def _reference_policy(logp_new, logp_old, adv, mask, eps_low, eps_high):
     return per_token, active & mask.bool()
 
 
-def check_clip(impl: CoreImpl, s: PreflightSettings):
+def check_clip(impl: CoreFunctions, s: PreflightSettings):
     logp_new, logp_old, adv, mask = _clip_case(s)
     logp_new = logp_new.clone().requires_grad_(True)
-    per_token, clip_frac = impl.policy_loss(logp_new, logp_old, adv, mask, s.eps_low, s.eps_high)
-    ref, clipped = _reference_policy(logp_new.detach(), logp_old, adv, mask, s.eps_low, s.eps_high)
+    per_token, clip_frac = impl.policy_loss(
+        logp_new, logp_old, adv, mask, s.objective.epsilon, s.objective.epsilon_high
+    )
+    ref, clipped = _reference_policy(
+        logp_new.detach(), logp_old, adv, mask, s.objective.epsilon, s.objective.epsilon_high
+    )
     valid = mask.bool()
     gap = _max_abs((per_token.double() - ref)[valid])
     yield _result(
@@ -500,8 +427,8 @@ def check_clip(impl: CoreImpl, s: PreflightSettings):
     yield _result(
         "clip.asymmetric",
         4,
-        f"tokens between 1+-eps_low and 1+-eps_high treated wrongly (eps {s.eps_low:g}/"
-        f"{s.eps_high:g})",
+        f"tokens between 1+-eps_low and 1+-eps_high treated wrongly (eps {s.objective.epsilon:g}/"
+        f"{s.objective.epsilon_high:g})",
         mismatch,
         "0",
         mismatch == 0,
@@ -518,7 +445,7 @@ def check_clip(impl: CoreImpl, s: PreflightSettings):
     )
 
 
-def check_kl(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
+def check_kl(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
     g = torch.Generator().manual_seed(s.seed)
     # Real next-token distributions of the user's model at a few completion positions (the
     # new policy), and a perturbed copy (the reference policy): [4, V] each.
@@ -526,7 +453,7 @@ def check_kl(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings)
         logits = model(
             input_ids=batch.input_ids[:4],
             attention_mask=batch.attention_mask[:4],
-            position_ids=_positions(batch.attention_mask[:4]),
+            position_ids=core.position_ids(batch.attention_mask[:4]),
         ).logits[:, :-1]
         rows = logits[batch.completion_mask[:4, 1:].bool()][:4].double()  # [4, V]
     noise = torch.randn(rows.shape, generator=g, dtype=torch.float64)
@@ -572,15 +499,15 @@ def unequal_lengths_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tenso
     return per_token, mask
 
 
-def check_normalisation(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
+def check_normalisation(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
     g = torch.Generator().manual_seed(s.seed)
     per_token, mask = unequal_lengths_batch(g)
-    L = s.max_completion_length or 8
+    L = s.objective.max_completion_length or 8
     values = {}
     for mode in core.AGGREGATIONS:
         values[mode] = float(core.aggregate(per_token, mask, mode, L))
-    declared = core.LOSS_TYPE_ALIASES.get(s.loss_agg, s.loss_agg)
-    got = float(impl.aggregate(per_token, mask, s.loss_agg, L))
+    declared = s.objective.aggregation
+    got = float(impl.aggregate(per_token, mask, s.objective.loss_type, L))
     # The assembled loss must use the same normaliser: at ratio 1 with A_i = -(i + 1) the
     # per-token values of row i are all i + 1, so only the normaliser decides the value.
     logp = torch.log(torch.rand(4, 6, generator=g) * 0.5 + 0.25)
@@ -600,7 +527,7 @@ def check_normalisation(impl: CoreImpl, model, batch: PreflightBatch, s: Preflig
     )
 
     logp_new, mask = impl.sequence_logprobs(
-        model, batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature
+        model, batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature
     )
     logp_new.retain_grad()
     advantages = _signed_advantages(batch.input_ids.shape[0])
@@ -619,12 +546,12 @@ def check_normalisation(impl: CoreImpl, model, batch: PreflightBatch, s: Preflig
     )
 
 
-def check_loss(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
+def check_loss(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
     g = torch.Generator().manual_seed(s.seed + 1)
     # Metrics on a perturbed policy with a reference, against a direct computation.
     logp_new, logp_old, adv, mask = _clip_case(s)
     logp_ref = logp_old + 0.3 * torch.randn(logp_old.shape, generator=g)
-    beta = s.beta if s.beta > 0 else 0.04
+    beta = s.objective.beta if s.objective.beta > 0 else 0.04
     loss, metrics = _loss(impl, logp_new, logp_old, logp_ref, adv, mask, s, beta=beta, L=8)
     finite = (
         bool(torch.isfinite(torch.as_tensor(loss)).all()) and torch.as_tensor(loss).numel() == 1
@@ -635,7 +562,9 @@ def check_loss(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSetting
 
     valid = mask.bool()
     ratio = torch.exp(logp_new.double() - logp_old.double())
-    _, clipped = _reference_policy(logp_new, logp_old, adv, mask, s.eps_low, s.eps_high)
+    _, clipped = _reference_policy(
+        logp_new, logp_old, adv, mask, s.objective.epsilon, s.objective.epsilon_high
+    )
     d = logp_ref.double() - logp_new.double()
     direct = {
         "loss": float(loss),
@@ -658,10 +587,10 @@ def check_loss(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSetting
     yield _sgd_direction(impl, model, batch, s)
 
 
-def _sgd_direction(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
+def _sgd_direction(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
     """One small SGD step on a copy of the model with the implementation's loss."""
     policy = copy.deepcopy(model).float().eval()
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature)
     advantages = _signed_advantages(batch.input_ids.shape[0])
     with torch.no_grad():
         before, mask = core.sequence_logprobs(policy, *args)
@@ -707,7 +636,7 @@ def check_rewards(batch: PreflightBatch):
 # --- Running them ------------------------------------------------------------------------------
 
 
-def guarded(impl: CoreImpl, ids: tuple[str, ...], goal: int, fn: Callable, *args):
+def guarded(impl: CoreFunctions, ids: tuple[str, ...], goal: int, fn: Callable, *args):
     """Run one family of checks (`ids`, in the order `fn` yields them). An exception in the
     implementation becomes a failed result for the check it interrupted; the results
     already measured are kept."""
@@ -755,28 +684,23 @@ def run_checks(
     model,
     batch: PreflightBatch,
     settings: PreflightSettings | None = None,
-    impl: CoreImpl | None = None,
+    impl: CoreFunctions | None = None,
 ) -> list[CheckResult]:
     """All checks, in goal order. The model's train/eval mode and weights are left as found."""
     s = settings or PreflightSettings()
-    impl = impl or CoreImpl()
-    was_training = model.training
-    model.eval()
+    impl = impl or CoreFunctions()
     torch.manual_seed(s.seed)
-    try:
+    families = FAMILIES
+    with eval_mode(model, zero_grad=True):
         results = []
-        F = FAMILIES
-        results += guarded(impl, F[1], 1, check_logprobs, impl, model, batch, s)
-        results += guarded(impl, F[2], 2, check_advantages, impl, batch, s)
-        results += guarded(impl, F[3], 3, check_ratio, impl, model, batch, s)
-        results += guarded(impl, F[4], 4, check_clip, impl, s)
-        results += guarded(impl, F[5], 5, check_kl, impl, model, batch, s)
-        results += guarded(impl, F[6], 6, check_normalisation, impl, model, batch, s)
-        results += guarded(impl, F[7], 7, check_loss, impl, model, batch, s)
+        results += guarded(impl, families[1], 1, check_logprobs, impl, model, batch, s)
+        results += guarded(impl, families[2], 2, check_advantages, impl, batch, s)
+        results += guarded(impl, families[3], 3, check_ratio, impl, model, batch, s)
+        results += guarded(impl, families[4], 4, check_clip, impl, s)
+        results += guarded(impl, families[5], 5, check_kl, impl, model, batch, s)
+        results += guarded(impl, families[6], 6, check_normalisation, impl, model, batch, s)
+        results += guarded(impl, families[7], 7, check_loss, impl, model, batch, s)
         results += list(check_rewards(batch))
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
     return results
 
 

@@ -24,17 +24,18 @@ def one_line(message: str) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from grpolab.config import ConfigError, load_config
+    from grpolab.monitors import MonitorStop, NonFiniteError
     from grpolab.preflight import PreflightFailed
-    from grpolab.trainer import Interrupted, MonitorStop, NonFiniteError, train
+    from grpolab.trainer import Interrupted, train
 
     try:
         cfg = load_config(args.config, args.overrides)
-        core = impl_core(args.impl, cfg.trainer) if args.impl else None
+        functions = chosen_functions(cfg, args.impl)
         train(
             cfg,
             resume=args.resume,
             overwrite=args.overwrite,
-            core=core,
+            functions=functions,
             skip_preflight=args.skip_preflight,
             allow_config_change=args.allow_config_change,
         )
@@ -55,22 +56,40 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def impl_core(path: str, trainer_cfg):
-    """The trainer's core with the functions a user's file defines; the rest stay grpolab's."""
-    from grpolab.checks import ImplLoadError, load_impl
-    from grpolab.trainer import default_core
+def chosen_functions(cfg, impl_path: str | None):
+    """The core functions the run uses: the trainer's as configured, with those a user's
+    file (--impl) defines in their place."""
+    from grpolab.functions import ImplLoadError, core_functions, load_impl
 
     try:
-        impl = load_impl(path)
+        user = load_impl(impl_path) if impl_path else None
     except ImplLoadError as e:
         raise ValueError(str(e)) from None
-    fns = default_core(trainer_cfg.logprobs, trainer_cfg.shared_prefix)
-    for name, source in impl.source.items():
-        if source != "grpolab":
-            setattr(fns, name, getattr(impl, name))
-            fns.source[name] = source
-    fns.path = impl.path
-    return fns
+    return core_functions(cfg.trainer.logprobs, cfg.trainer.shared_prefix, user)
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    """Exit 0 when every check passes, 1 when any fails, 2 on a usage or config error."""
+    from rich.console import Console
+
+    from grpolab.config import ConfigError, load_config
+    from grpolab.preflight import preflight, print_results, results_json
+
+    console = Console(stderr=args.json)  # with --json, stdout holds the JSON alone
+    if not console.is_terminal:
+        console.width = 160  # a log file or a pipe: no reason to wrap at 80
+    try:
+        cfg = load_config(args.config, args.overrides)
+        functions = chosen_functions(cfg, args.impl)
+        results = preflight(cfg, functions)
+    except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
+        print(f"grpolab preflight: error: {one_line(str(e))}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(results_json(results, functions))
+    else:
+        print_results(results, console, functions)
+    return 0 if all(r.passed for r in results) else 1
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -168,11 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
     wu.set_defaults(func=cmd_warmup)
 
     from grpolab.drill.cli import add_drill_parser
-    from grpolab.preflight import add_preflight_parser
     from grpolab.rollout_cli import add_rollout_parser
 
     add_rollout_parser(sub)
-    add_preflight_parser(sub)
+    pre = sub.add_parser(
+        "preflight", help="check every intermediate GRPO quantity on the configured model"
+    )
+    pre.add_argument("--config", help="YAML config file (default: the built-in CPU demo)")
+    pre.add_argument(
+        "--impl", help="a Python file defining any of the core functions to check instead"
+    )
+    pre.add_argument("--json", action="store_true", help="print the results as JSON")
+    pre.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    pre.set_defaults(func=cmd_preflight)
+
     add_drill_parser(sub)
     return parser
 

@@ -16,7 +16,14 @@ from typing import Any
 
 import yaml
 
-from grpolab.core import ADVANTAGE_SCALES, AGGREGATIONS, LOGPROB_SOURCES, LOSS_TYPE_ALIASES
+from grpolab.core import (
+    ADVANTAGE_SCALES,
+    AGGREGATIONS,
+    LOGPROB_SOURCES,
+    LOSS_TYPE_ALIASES,
+    Objective,
+)
+from grpolab.functions import LOGPROB_PATHS
 from grpolab.rewards import RewardsConfig  # each section lives with its module
 from grpolab.rollout import ENGINES, RolloutConfig
 from grpolab.tasks import TaskConfig
@@ -49,12 +56,14 @@ class TrainerConfig:
     loss_type: str = "sequence"  # sequence | token | constant (or grpo | bnpo | dapo | dr_grpo)
     scale_rewards: str = "group"  # group | batch | none
     advantage_eps: float = 1e-4
-    logprob_source: str = "trainer"  # trainer (scheme A) | engine (scheme B)
+    # trainer: logp_old from the training model before any update (exact) | engine: the
+    # rollout engine's log-probs (saves a forward; biased by the two numerical stacks).
+    logprob_source: str = "trainer"
     # Truncated importance sampling: each token's policy loss times min(pi_trainer /
     # pi_engine, tis_cap), correcting for the engine's other numerics (TRL:
     # vllm_importance_sampling_cap). Needs the engine's log-probs; None = off.
     tis_cap: float | None = None
-    logprobs: str = "fused"  # fused | naive (grpolab.logprobs) | core (core.sequence_logprobs)
+    logprobs: str = "fused"  # fused (grpolab.logprobs) | naive (core.sequence_logprobs; "core")
     # fused: run each group's shared prompt through the model once, its G completions against
     # that prompt's keys and values (exact; checked against one forward per row at first use).
     shared_prefix: bool = True
@@ -131,6 +140,25 @@ class Config:
     @property
     def batch_size(self) -> int:
         return self.trainer.prompts_per_step * self.trainer.num_generations
+
+    @property
+    def objective(self) -> Objective:
+        """The objective these keys declare, the one record every part of a run reads."""
+        t = self.trainer
+        return Objective(
+            num_generations=t.num_generations,
+            scale_rewards=t.scale_rewards,
+            advantage_eps=t.advantage_eps,
+            epsilon=t.epsilon,
+            epsilon_high=t.epsilon_high,
+            beta=t.beta,
+            loss_type=t.loss_type,
+            max_completion_length=self.rollout.max_completion_length,
+            temperature=self.rollout.temperature,
+            num_iterations=t.num_iterations,
+            logprob_source=t.logprob_source,
+            tis_cap=t.tis_cap,
+        )
 
 
 # --- Loading ----------------------------------------------------------------------------------
@@ -328,10 +356,10 @@ def validate(cfg: Config) -> None:
         f"one of {list(LOGPROB_SOURCES)}",
     )
     _need(
-        t.logprobs in ("fused", "naive", "core"),
+        t.logprobs in LOGPROB_PATHS,
         "trainer.logprobs",
         t.logprobs,
-        "one of fused, naive, core",
+        f"one of {', '.join(LOGPROB_PATHS)}",
     )
     _need(t.learning_rate > 0, "trainer.learning_rate", t.learning_rate, "a number > 0")
     _need(
@@ -394,6 +422,10 @@ def validate(cfg: Config) -> None:
     _need(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0")
     mcl = r.max_completion_length
     _need(mcl >= 1, "rollout.max_completion_length", mcl, "an integer >= 1")
+    try:  # what the individual checks above cannot see: the record as a whole
+        cfg.objective  # noqa: B018
+    except ValueError as e:
+        raise ConfigError(f"trainer: {e}") from None
 
 
 # --- Output -----------------------------------------------------------------------------------
@@ -430,24 +462,6 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
-
-
-def objective_fields(cfg: Config) -> dict[str, Any]:
-    """The fields of core.Objective, gathered from the trainer and rollout sections."""
-    t = cfg.trainer
-    return dict(
-        num_generations=t.num_generations,
-        scale_rewards=t.scale_rewards,
-        advantage_eps=t.advantage_eps,
-        epsilon=t.epsilon,
-        epsilon_high=t.epsilon_high,
-        beta=t.beta,
-        loss_type=t.loss_type,
-        max_completion_length=cfg.rollout.max_completion_length,
-        temperature=cfg.rollout.temperature,
-        num_iterations=t.num_iterations,
-        logprob_source=t.logprob_source,
-    )
 
 
 # --- Resuming with another config ------------------------------------------------------------

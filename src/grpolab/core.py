@@ -1,6 +1,6 @@
 """The GRPO core: log-probs, group advantages, clipped ratio, k3 KL, aggregation, loss.
 
-The seed's twenty lines, exact, plus the variants users of GRPO trainers rely on. Every
+GRPO's twenty lines, exact, plus the variants users of GRPO trainers rely on. Every
 function is a pure function of tensors. Shapes: B sequences (= n_prompts * G, the G samples
 of a prompt contiguous), T tokens per sequence; log-prob tensors are [B, T-1], aligned with
 input_ids[:, 1:].
@@ -9,8 +9,8 @@ input_ids[:, 1:].
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -22,7 +22,13 @@ LOSS_TYPE_ALIASES = {"grpo": "sequence", "bnpo": "token", "dapo": "token", "dr_g
 LOGPROB_SOURCES = ("trainer", "engine")
 
 
-# --- S1: token log-probabilities ------------------------------------------------------------
+# --- Token log-probabilities ------------------------------------------------------------------
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count real tokens only, as generate() does for left-padded prompts (a
+    model with absolute position embeddings would otherwise see shifted positions): [B, T]."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def sequence_logprobs(
@@ -45,11 +51,10 @@ def sequence_logprobs(
         raise ValueError(f"input_ids must be [B, T] with T >= 2, got {tuple(input_ids.shape)}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    # Positions count real tokens only, as generate() does for left-padded prompts; models
-    # with absolute position embeddings would otherwise see shifted positions.
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids(attention_mask),
     ).logits  # [B, T, V]
     # The off-by-one: logits at position t predict the token at t+1.
     logits = logits[:, :-1, :].float() / temperature  # [B, T-1, V], float32 before softmax
@@ -60,7 +65,7 @@ def sequence_logprobs(
     return token_logprobs, mask
 
 
-# --- S2: group-relative advantages ----------------------------------------------------------
+# --- Group-relative advantages ----------------------------------------------------------------
 
 
 def group_advantages(
@@ -104,7 +109,7 @@ def group_advantages(
     return adv.view(-1)
 
 
-# --- S3/S4: ratio and the clipped surrogate --------------------------------------------------
+# --- Ratio and the clipped surrogate ----------------------------------------------------------
 
 
 def policy_loss(
@@ -136,7 +141,7 @@ def policy_loss(
     return per_token, clip_frac
 
 
-# --- S5: KL to the reference -----------------------------------------------------------------
+# --- KL to the reference ----------------------------------------------------------------------
 
 
 def kl_k3(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
@@ -152,7 +157,7 @@ def kl_k3(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-# --- S6: masking and normalisation -----------------------------------------------------------
+# --- Masking and normalisation ----------------------------------------------------------------
 
 
 def aggregate(
@@ -163,14 +168,14 @@ def aggregate(
 ) -> torch.Tensor:
     """Reduce [B, T] per-token values to a scalar over the masked tokens.
 
-    "sequence": mean over each sequence's tokens, then over sequences (the seed's default);
+    "sequence": mean over each sequence's tokens, then over sequences (the default);
     "token": sum over all tokens / number of tokens (DAPO): every token weighs the same;
     "constant": sum over all tokens / (B * max_completion_length) (Dr. GRPO): no length bias.
     """
-    mode = LOSS_TYPE_ALIASES.get(mode, mode)
-    if mode not in AGGREGATIONS:
+    if LOSS_TYPE_ALIASES.get(mode, mode) not in AGGREGATIONS:
         valid = list(AGGREGATIONS) + sorted(LOSS_TYPE_ALIASES)
         raise ValueError(f"mode={mode!r} is not one of {valid}")
+    mode = aggregation(mode)
     if per_token.shape != mask.shape or per_token.dim() != 2:
         raise ValueError(
             f"per_token {tuple(per_token.shape)} and mask {tuple(mask.shape)} must both be [B, T]"
@@ -188,13 +193,40 @@ def aggregate(
     return masked.sum() / (per_token.shape[0] * max_completion_length)
 
 
+def normaliser_count(loss_type: str, mask: torch.Tensor) -> float:
+    """What the loss of a minibatch is divided by, up to constants shared by all of its
+    micro-batches: completion tokens for "token", sequences otherwise ("constant"'s
+    B * max_completion_length shares its max_completion_length). mask: [b, T]."""
+    return float(mask.sum()) if aggregation(loss_type) == "token" else float(mask.shape[0])
+
+
+def micro_batch_scale(
+    loss_type: str,
+    micro_mask: torch.Tensor,
+    minibatch_mask: torch.Tensor,
+    minibatch_count: float | None = None,
+) -> float:
+    """Factor turning a micro-batch's `aggregate` loss into its share of the loss of the whole
+    minibatch, so that gradients accumulated over micro-batches equal the one-pass gradient:
+    sequence -> b_micro / b_mini; token -> tokens_micro / tokens_mini (aggregate clamps the
+    count at 1); constant -> b_micro / b_mini (same max_completion_length).
+    `minibatch_count`: the minibatch's `normaliser_count` over all ranks; None: this
+    process's minibatch alone. Masks: [b, T]."""
+    total = (
+        normaliser_count(loss_type, minibatch_mask) if minibatch_count is None else minibatch_count
+    )
+    if aggregation(loss_type) == "token":
+        return float(micro_mask.sum().clamp(min=1)) / max(total, 1.0)
+    return micro_mask.shape[0] / total
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `values` over positions where mask is set (0 when none is)."""
     masked = torch.where(mask.bool(), values, torch.zeros_like(values))
     return masked.sum() / mask.sum().clamp(min=1)
 
 
-# --- S7: the assembled loss ------------------------------------------------------------------
+# --- The assembled loss -----------------------------------------------------------------------
 
 
 def grpo_loss(
@@ -274,12 +306,23 @@ def tis_weights(
     return torch.exp(log_w).clamp(max=cap)
 
 
-# --- The objective card -----------------------------------------------------------------------
+# --- The objective: one record of what is optimised -------------------------------------------
 
 
-@dataclass
+def aggregation(loss_type: str) -> str:
+    """The normaliser a loss_type names: one of AGGREGATIONS, TRL's aliases resolved."""
+    resolved = LOSS_TYPE_ALIASES.get(loss_type, loss_type)
+    if resolved not in AGGREGATIONS:
+        valid = list(AGGREGATIONS) + sorted(LOSS_TYPE_ALIASES)
+        raise ValueError(f"loss_type={loss_type!r} is not one of {valid}")
+    return resolved
+
+
+@dataclass(frozen=True)
 class Objective:
-    """Everything that decides which "GRPO" is being optimised, with TRL's names."""
+    """Everything that decides which "GRPO" is optimised, with TRL's names, validated on
+    construction. The trainer's loss, the objective card and the preflight's expectations
+    all read this one record."""
 
     num_generations: int = 8
     scale_rewards: str = "group"
@@ -287,21 +330,71 @@ class Objective:
     epsilon: float = 0.2
     epsilon_high: float = 0.28
     beta: float = 0.0
-    loss_type: str = "sequence"
+    loss_type: str = "sequence"  # as written (an alias allowed); `aggregation` resolves it
     max_completion_length: int | None = None
     temperature: float = 1.0
     num_iterations: int = 1
     logprob_source: str = "trainer"
+    tis_cap: float | None = None  # truncated importance weights against the engine
+
+    def __post_init__(self) -> None:
+        agg = aggregation(self.loss_type)
+        if agg == "constant" and not self.max_completion_length:
+            raise ValueError('loss_type="constant" needs max_completion_length > 0')
+        if self.scale_rewards not in ADVANTAGE_SCALES:
+            raise ValueError(
+                f"scale_rewards={self.scale_rewards!r} is not one of {list(ADVANTAGE_SCALES)}"
+            )
+        if self.logprob_source not in LOGPROB_SOURCES:
+            raise ValueError(
+                f"logprob_source={self.logprob_source!r} is not one of {list(LOGPROB_SOURCES)}"
+            )
+        _check_clip(self.epsilon, self.epsilon_high)
+
+    @property
+    def aggregation(self) -> str:
+        return aggregation(self.loss_type)
+
+    @classmethod
+    def of(cls, config: Any) -> Objective:
+        """From an Objective, a mapping of its fields, or any object with some of its fields as
+        attributes (a trainer config); missing fields take the defaults."""
+        names = [f.name for f in fields(cls)]
+        if isinstance(config, Objective):
+            return config
+        if isinstance(config, Mapping):
+            unknown = sorted(set(config) - set(names))
+            if unknown:
+                raise ValueError(f"unknown objective keys {unknown}; valid keys: {names}")
+            return cls(**config)
+        return cls(**{n: getattr(config, n) for n in names if hasattr(config, n)})
+
+    def advantage_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of `group_advantages` (after rewards and group size)."""
+        return {"scale": self.scale_rewards, "eps": self.advantage_eps}
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of `grpo_loss` (after the tensors) that this objective sets."""
+        return {
+            "eps_low": self.epsilon,
+            "eps_high": self.epsilon_high,
+            "beta": self.beta,
+            "loss_agg": self.loss_type,
+            "max_completion_length": self.max_completion_length,
+        }
+
+    @property
+    def on_policy(self) -> bool:
+        """logp_old is the sampling policy's own log-probs, taken by the trainer."""
+        return self.logprob_source == "trainer"
 
 
 def objective_card(config: Any) -> str:
     """The resolved objective on one screen, printed at the start of every run.
 
-    `config`: an `Objective`, a mapping, or any object with some of its fields as attributes
-    (a trainer config); missing fields take the defaults of `Objective`.
-    """
-    o = _resolve_objective(config)
-    agg = LOSS_TYPE_ALIASES.get(o.loss_type, o.loss_type)
+    `config`: anything `Objective.of` takes."""
+    o = Objective.of(config)
+    agg = o.aggregation
     normaliser = {
         "sequence": "mean over each sequence's completion tokens, then mean over sequences",
         "token": "sum over all completion tokens / number of completion tokens",
@@ -313,8 +406,8 @@ def objective_card(config: Any) -> str:
         "none": "none: mean-centred only (Dr. GRPO)",
     }[o.scale_rewards]
     source = {
-        "trainer": "scheme A: extra forward of the training model before any update (exact)",
-        "engine": "scheme B: the rollout engine's log-probs (saves a forward, biased)",
+        "trainer": "an extra forward of the training model before any update (exact)",
+        "engine": "the rollout engine's log-probs (saves a forward, biased)",
     }[o.logprob_source]
     kl = (
         "off (beta = 0, no reference model)"
@@ -334,39 +427,42 @@ def objective_card(config: Any) -> str:
         f"  aggregation   {agg} ({o.loss_type}): {normaliser}",
         f"  inner epochs  num_iterations = {o.num_iterations}",
     ]
+    if o.tis_cap is not None:
+        lines.append(
+            f"  engine        policy term x min(pi_trainer / pi_engine, {o.tis_cap:g}) per token"
+        )
     return "\n".join(lines)
 
 
-def _resolve_objective(config: Any) -> Objective:
-    names = [f.name for f in fields(Objective)]
-    if isinstance(config, Objective):
-        o = config
-    elif isinstance(config, Mapping):
-        unknown = sorted(set(config) - set(names))
-        if unknown:
-            raise ValueError(f"unknown objective keys {unknown}; valid keys: {names}")
-        o = Objective(**config)
-    else:
-        o = Objective(**{n: getattr(config, n) for n in names if hasattr(config, n)})
-    agg = LOSS_TYPE_ALIASES.get(o.loss_type, o.loss_type)
-    if agg not in AGGREGATIONS:
-        valid = list(AGGREGATIONS) + sorted(LOSS_TYPE_ALIASES)
-        raise ValueError(f"loss_type={o.loss_type!r} is not one of {valid}")
-    if agg == "constant" and not o.max_completion_length:
-        raise ValueError('loss_type="constant" needs max_completion_length > 0')
-    if o.scale_rewards not in ADVANTAGE_SCALES:
-        raise ValueError(
-            f"scale_rewards={o.scale_rewards!r} is not one of {list(ADVANTAGE_SCALES)}"
-        )
-    if o.logprob_source not in LOGPROB_SOURCES:
-        raise ValueError(
-            f"logprob_source={o.logprob_source!r} is not one of {list(LOGPROB_SOURCES)}"
-        )
-    _check_clip(o.epsilon, o.epsilon_high)
-    return o
+# --- The function table -----------------------------------------------------------------------
+
+CORE_FUNCTIONS = (
+    "sequence_logprobs",
+    "group_advantages",
+    "policy_loss",
+    "kl_k3",
+    "aggregate",
+    "grpo_loss",
+)
 
 
-# --- Input validation ---------------------------------------------------------------------------
+@dataclass
+class CoreFunctions:
+    """The six functions a GRPO step calls, and where each came from ("grpolab" or a user's
+    file). The trainer, the preflight, `--impl` and the drill all run through one of these;
+    `grpolab.functions.core_functions` chooses it."""
+
+    sequence_logprobs: Callable = sequence_logprobs
+    group_advantages: Callable = group_advantages
+    policy_loss: Callable = policy_loss
+    kl_k3: Callable = kl_k3
+    aggregate: Callable = aggregate
+    grpo_loss: Callable = grpo_loss
+    source: dict[str, str] = field(default_factory=lambda: dict.fromkeys(CORE_FUNCTIONS, "grpolab"))
+    path: str | None = None  # the user's file, when one replaced any function
+
+
+# --- Input validation -------------------------------------------------------------------------
 
 
 def _check_same_shape(**tensors: torch.Tensor) -> None:

@@ -2,7 +2,9 @@
 the two ways of holding the model (`ddp`: a full replica per rank, gradients summed by one
 flat all-reduce per optimizer step; `fsdp`: FSDP2 `fully_shard` on each decoder layer and the
 root). Gradients are SUMMED across ranks: the loss normaliser is global (see
-`trainer.loss_scale`), so the sum is the single-process gradient of the same global batch."""
+`step.loss_scale`), so the sum is the single-process gradient of the same global batch.
+Every helper is total: on one process it does the one-process thing, so callers need no
+"if distributed" branch."""
 
 from __future__ import annotations
 
@@ -278,17 +280,30 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def grad_norm(params: list[torch.nn.Parameter], d: Dist) -> torch.Tensor:
-    """The global gradient L2 norm: `ddp` grads are whole (and equal) on every rank; `fsdp`
-    grads are disjoint shards whose squared norms add up over ranks."""
+    """The global gradient L2 norm: on one process the norm of the per-tensor norms; `ddp`
+    grads are whole (and equal) on every rank; `fsdp` grads are disjoint shards whose squared
+    norms add up over ranks."""
     grads = [_local(p.grad) for p in params if p.grad is not None]
+    if not d.on:
+        if not grads:
+            return torch.tensor(0.0)
+        return torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+        )
     sq = sum((torch.linalg.vector_norm(g.float()) ** 2 for g in grads), torch.tensor(0.0))
     if d.mode == "fsdp":
         return torch.tensor(all_sum(sq, d)).sqrt().float()
     return sq.sqrt()
 
 
-def clip_gradients(params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
-    """torch.nn.utils.clip_grad_norm_'s rule with a given (global) norm."""
+def clip_gradients(
+    params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float, d: Dist
+) -> None:
+    """Scale the gradients so that their global norm is at most max_norm: on one process
+    torch.nn.utils.clip_grad_norm_ itself; over ranks its rule with the given global norm."""
+    if not d.on:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:

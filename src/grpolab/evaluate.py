@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from grpolab.rewards import Rewards, RewardsConfig, load_rewards, score
+from grpolab.rewards import RewardResult, Rewards, RewardsConfig, load_rewards, score
 from grpolab.rollout.base import SamplingParams
 from grpolab.tasks.base import Example
 
@@ -24,6 +24,27 @@ def correct(
     """[B] bool: the accuracy reward is 1. One example per completion."""
     result = score(list(completions), list(examples), rewards, num_generations=1)
     return torch.nan_to_num(result.per_function["accuracy"], nan=0.0) >= 1.0
+
+
+def correct_answers(
+    scores: RewardResult,
+    completions: Sequence[str],
+    examples: Sequence[Example],
+    training: Rewards,
+    accuracy: Rewards,
+) -> torch.Tensor:
+    """[B] bool: the accuracy reward is 1 for each completion. When the training rewards
+    already ran that very function, its values are read from `scores` instead of parsing
+    every completion again. examples: one per prompt or one per completion."""
+    wanted = accuracy[0]
+    for fn in training:
+        if fn.fn is wanted.fn and fn.fallback == wanted.fallback:
+            return torch.nan_to_num(scores.per_function[fn.name], nan=0.0) >= 1.0
+    per_completion = list(examples)
+    if len(per_completion) != len(completions):
+        G = len(completions) // len(per_completion)
+        per_completion = [e for e in per_completion for _ in range(G)]
+    return correct(completions, per_completion, accuracy)
 
 
 def evaluate_accuracy(

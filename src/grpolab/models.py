@@ -7,8 +7,10 @@ directory or a hub id) go through `load_policy`, the same `from_pretrained` path
 
 from __future__ import annotations
 
+import contextlib
 import json
 import string
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,3 +158,17 @@ def plain_kv_cache(cache) -> bool:
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     return type(cache) is DynamicCache and all(type(x) is DynamicLayer for x in cache.layers)
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module, zero_grad: bool = False) -> Iterator[torch.nn.Module]:
+    """`model` in eval mode (dropout off) inside the block; its own mode back afterwards,
+    whatever happens, and with `zero_grad` no gradient left behind."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        if zero_grad:
+            model.zero_grad(set_to_none=True)
+        model.train(was_training)

@@ -1,19 +1,37 @@
-"""Runtime monitors: the preflight's invariants, watched on every training step.
+"""Runtime monitors: the preflight's invariants, watched on every training step, and the
+non-finite guard's streak.
 
 Each monitor reads one quantity from a step's metrics and, when it leaves its normal range,
-returns a warning that names the quantity, the value, the step and the range. The trainer
+returns a warning that names the quantity, the value, the step and the range. The loop
 prints them, records them in metrics.jsonl and, with `trainer.monitor: stop`, stops the run.
+A run of `trainer.max_consecutive_nonfinite` skipped steps stops it too, with a replay
+capsule of the last batch.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from grpolab.checkpoint import rng_state
+from grpolab.setup import Run
+from grpolab.step import StepBatch, logprobs_in_chunks
+
+
+class MonitorStop(RuntimeError):
+    """A monitored quantity left its normal range and trainer.monitor is "stop"."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
 
 
 @dataclass(frozen=True)
 class MonitorLimits:
-    ratio_dev: float = 1e-3  # |ratio - 1| before the first update of a step (scheme A)
+    ratio_dev: float = 1e-3  # |ratio - 1| before the first update (trainer's logp_old)
     kl_min: float = -1e-6  # k3 is never negative
     adv_group_sum: float = 1e-4  # |sum of a group's advantages| (relative to G)
     engine_gap: float = 1e-3  # |engine logp - trainer logp| on the sampled tokens
@@ -39,7 +57,7 @@ class Watch:
     limit: str  # the MonitorLimits field
     why: str
     lower: bool = False  # the limit is a minimum
-    scheme_a_only: bool = False
+    trainer_logp_old_only: bool = False  # the engine's logp_old is not the trainer's
 
 
 WATCHES = (
@@ -49,7 +67,7 @@ WATCHES = (
         "ratio_dev",
         "logp_old is not the sampling policy's log-probs: dropout, a stale copy or different "
         "inputs",
-        scheme_a_only=True,
+        trainer_logp_old_only=True,
     ),
     Watch(
         "kl",
@@ -85,8 +103,11 @@ WATCHES = (
 )
 
 
-def check_step(step: int, metrics: dict, limits: MonitorLimits, scheme_a: bool) -> list[str]:
-    """Warnings for the quantities of one step that are out of their normal range."""
+def check_step(
+    step: int, metrics: dict, limits: MonitorLimits, trainer_logp_old: bool
+) -> list[str]:
+    """Warnings for the quantities of one step that are out of their normal range.
+    trainer_logp_old: logp_old is the training model's (the ratio must start at 1)."""
     warnings = []
     if metrics.get("skipped"):
         what = metrics.get("nonfinite") or "a value"
@@ -96,7 +117,7 @@ def check_step(step: int, metrics: dict, limits: MonitorLimits, scheme_a: bool) 
         )
     for w in WATCHES:
         value, limit = metrics.get(w.key), getattr(limits, w.limit)
-        if not _known(value) or (w.scheme_a_only and not scheme_a):
+        if not _known(value) or (w.trainer_logp_old_only and not trainer_logp_old):
             continue
         if (value < limit) if w.lower else (value > limit):
             expected = f"{'>=' if w.lower else '<='} {limit:g}"
@@ -106,3 +127,45 @@ def check_step(step: int, metrics: dict, limits: MonitorLimits, scheme_a: bool) 
 
 def _known(value) -> bool:
     return isinstance(value, int | float) and not math.isnan(value)
+
+
+def count_nonfinite(run: Run, skipped: int) -> None:
+    """The non-finite guard's counters after a step that skipped `skipped` updates."""
+    if skipped:
+        run.skipped_steps += 1
+        run.consecutive_nonfinite += 1
+    else:
+        run.consecutive_nonfinite = 0
+
+
+def write_capsule(path: Path, run: Run, batch: StepBatch, what: str | None) -> None:
+    """Everything needed to replay the failing step: its batch, old/ref log-probs, rewards,
+    advantages and the RNG and prompt-draw states. The weights are still the sampler's (no
+    update of the step went through), so an on-policy logp_old is recomputed from them."""
+    logp_old = batch.logp_old
+    if logp_old is None:
+        logp_old = logprobs_in_chunks(run, run.model, batch)
+    cpu = _on_cpu
+    torch.save(
+        {
+            "step": batch.step,
+            "what": what,
+            "input_ids": cpu(batch.input_ids),
+            "attention_mask": cpu(batch.attention_mask),
+            "completion_mask": cpu(batch.completion_mask),
+            "rewards": cpu(batch.rewards),
+            "advantages": cpu(batch.advantages),
+            "logp_old": cpu(logp_old),
+            "logp_ref": cpu(batch.logp_ref),
+            "prompts": batch.rollout.prompts,
+            "completions": batch.rollout.completions,
+            "answers": batch.answers(),
+            "rng": rng_state(),
+            "data_generator": run.prompt_generator.get_state(),
+        },
+        path,
+    )
+
+
+def _on_cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().cpu()

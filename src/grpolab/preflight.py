@@ -2,14 +2,14 @@
 
 A real rollout batch from the configured task is sampled (a few groups), scored by the
 configured rewards, and every check runs on it, plus the checks that need the trainer:
-gradient invariance to the minibatch split and a worst-case-length dry run.
+gradient invariance to the minibatch split and a worst-case-length dry run. `preflight_gate`
+runs them before training starts and refuses to start when one fails.
 """
 
 from __future__ import annotations
 
 import json
 import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,40 +20,36 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from grpolab import checks
-from grpolab.checks import CheckResult, CoreImpl, PreflightBatch, PreflightSettings
+from grpolab import checks, core, seeds
+from grpolab.checks import CheckResult, PreflightBatch, PreflightSettings
 from grpolab.config import Config
+from grpolab.core import CoreFunctions
+from grpolab.models import eval_mode
 from grpolab.monitors import limits_for
+from grpolab.rewards import score
+from grpolab.rollout.common import encode_prompts
+from grpolab.setup import Run, build_run, load_start_model, resolve_device
 
 PREFLIGHT_ROWS = 32  # sequences in the preflight batch (whole groups, at least two)
 
 
 def settings_from_config(cfg: Config) -> PreflightSettings:
-    t = cfg.trainer
     return PreflightSettings(
-        temperature=cfg.rollout.temperature or 1.0,
-        loss_agg=t.loss_type,
-        eps_low=t.epsilon,
-        eps_high=t.epsilon_high,
-        beta=t.beta,
-        scale_rewards=t.scale_rewards,
-        advantage_eps=t.advantage_eps,
-        max_completion_length=cfg.rollout.max_completion_length,
-        engine_gap_max=limits_for(t, cfg.model.dtype).engine_gap,
+        objective=cfg.objective,
+        engine_gap_max=limits_for(cfg.trainer, cfg.model.dtype).engine_gap,
         seed=cfg.seed,
-        shared_prefix=t.shared_prefix,
+        shared_prefix=cfg.trainer.shared_prefix,
     )
 
 
-def sample_batch(run, cfg: Config) -> tuple[PreflightBatch, list[str]]:
+def sample_batch(run: Run) -> tuple[PreflightBatch, list[str]]:
     """A few real groups from the configured task, sampled and scored as the trainer does.
-    Uses its own generator, so the training run's data order is untouched."""
-    from grpolab.rewards import score
-
+    Uses its own generators, so the training run's prompt draw is untouched."""
+    cfg = run.cfg
     G = cfg.trainer.num_generations
     n_prompts = max(2, PREFLIGHT_ROWS // G)
-    examples = run.task.sample(n_prompts, torch.Generator().manual_seed(cfg.seed + 12_345))
-    params = cfg.rollout.sampling(seed=cfg.seed + 54_321)
+    examples = run.task.sample(n_prompts, seeds.preflight_prompts(cfg.seed))
+    params = cfg.rollout.sampling(seed=seeds.preflight_sampling_seed(cfg.seed))
     rollout = run.engine.generate([e.prompt for e in examples], G, params)
     rewards = score(rollout, examples, run.rewards).total
     device = next(run.model.parameters()).device
@@ -68,21 +64,20 @@ def sample_batch(run, cfg: Config) -> tuple[PreflightBatch, list[str]]:
     return batch, rollout.completions
 
 
-def check_split_invariance(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
+def check_split_invariance(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
     """The gradient of the batch in one pass equals the gradient accumulated over micro-batches
     with the trainer's loss scaling (the wrong normaliser under accumulation shows here)."""
-    from grpolab.trainer import loss_scale
-
+    o = s.objective
     B = batch.input_ids.shape[0]
     advantages = torch.tensor([1.0, -0.5] * (B // 2) + [1.0] * (B % 2))
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
-    L = s.max_completion_length or batch.input_ids.shape[1]
+    tensors = (batch.input_ids, batch.attention_mask, batch.completion_mask)
+    L = o.max_completion_length or batch.input_ids.shape[1]
 
     def loss_of(rows: torch.Tensor) -> torch.Tensor:
-        logp, mask = impl.sequence_logprobs(model, *(a[rows] for a in args[:3]), s.temperature)
+        logp, mask = impl.sequence_logprobs(model, *(a[rows] for a in tensors), o.temperature)
         loss, _ = impl.grpo_loss(
-            logp, logp.detach() + 0.05, None, advantages[rows], mask, eps_low=s.eps_low,
-            eps_high=s.eps_high, beta=0.0, loss_agg=s.loss_agg, max_completion_length=L,
+            logp, logp.detach() + 0.05, None, advantages[rows], mask,
+            **o.loss_kwargs() | {"beta": 0.0, "max_completion_length": L},
         )  # fmt: skip
         return loss
 
@@ -98,8 +93,8 @@ def check_split_invariance(impl: CoreImpl, model, batch: PreflightBatch, s: Pref
     parts = [order[: max(1, B // 4)], order[max(1, B // 4) : B // 2], order[B // 2 :]]
     for rows in parts:
         if len(rows):
-            micro_mask = unit_mask[rows]
-            (loss_of(rows) * loss_scale(s.loss_agg, micro_mask, unit_mask)).backward()
+            share = core.micro_batch_scale(o.loss_type, unit_mask[rows], unit_mask)
+            (loss_of(rows) * share).backward()
     split = [p.grad.detach().clone() for p in params]
     model.zero_grad(set_to_none=True)
     scale = max(float(g.abs().max()) for g in whole) or 1.0
@@ -119,10 +114,9 @@ def check_split_invariance(impl: CoreImpl, model, batch: PreflightBatch, s: Pref
 def check_fused_logprobs(model, batch: PreflightBatch, s: PreflightSettings):
     """The trainer's memory-efficient log-probs against the seed's code on this model:
     values and the gradient reaching the model's parameters."""
-    from grpolab import core
     from grpolab.logprobs import shared_prefix_status, split_model, token_logprobs
 
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature)
     valid = batch.completion_mask[:, 1:].bool()
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -167,10 +161,9 @@ def _max_gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
 
-def check_worst_case_memory(impl: CoreImpl, model, cfg: Config, prompt_tokens: int):
-    """Forward + backward of one micro-batch at the longest prompt + max_completion_length."""
-    t = cfg.trainer
-    rows = (t.mini_batch_size or cfg.batch_size) // t.gradient_accumulation_steps
+def check_worst_case_memory(impl: CoreFunctions, model, cfg: Config, rows: int, prompt_tokens: int):
+    """Forward + backward of one micro-batch of `rows` sequences at the longest prompt +
+    max_completion_length."""
     T = prompt_tokens + cfg.rollout.max_completion_length
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -188,7 +181,7 @@ def check_worst_case_memory(impl: CoreImpl, model, cfg: Config, prompt_tokens: i
     )
     loss, _ = impl.grpo_loss(
         logp, logp.detach(), None, torch.ones(rows, device=device), mask,
-        loss_agg=t.loss_type, max_completion_length=cfg.rollout.max_completion_length,
+        **cfg.objective.loss_kwargs() | {"beta": 0.0},
     )  # fmt: skip
     loss.backward()
     model.zero_grad(set_to_none=True)
@@ -210,9 +203,7 @@ def check_worst_case_memory(impl: CoreImpl, model, cfg: Config, prompt_tokens: i
     )
 
 
-def longest_prompt_tokens(run, limit: int = 10_000) -> int:
-    from grpolab.rollout.common import encode_prompts
-
+def longest_prompt_tokens(run: Run, limit: int = 10_000) -> int:
     prompts = [e.prompt for e in run.task.train[:limit]]
     encoded = encode_prompts(
         run.tokenizer,
@@ -225,39 +216,38 @@ def longest_prompt_tokens(run, limit: int = 10_000) -> int:
     return max(len(ids) for ids in encoded)
 
 
-def run_preflight(cfg: Config, impl: CoreImpl | None = None, run=None) -> list[CheckResult]:
-    """Every check on the configured model and a real batch. `run`: a trainer Run to reuse."""
-    from grpolab.trainer import load_start_model, make_run, resolve_device
-
-    impl = impl or CoreImpl()
+def run_preflight(run: Run) -> list[CheckResult]:
+    """Every check on the run's model, its core functions and a real batch."""
+    cfg, model, functions = run.cfg, run.model, run.functions
     transformers.utils.logging.disable_progress_bar()
-    if run is None:
-        model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
-        run = make_run(cfg, model, tokenizer)
-    model = run.model
     s = settings_from_config(cfg)
-    batch, _ = sample_batch(run, cfg)
-    results = checks.run_checks(model, batch, s, impl)
-    was_training = model.training
-    model.eval()
-    try:
+    batch, _ = sample_batch(run)
+    results = checks.run_checks(model, batch, s, functions)
+    with eval_mode(model, zero_grad=True):
         if cfg.trainer.logprobs == "fused":
             results += checks.guarded(
-                impl, ("logprobs.fused_vs_naive",), 0, check_fused_logprobs, model, batch, s
+                functions, ("logprobs.fused_vs_naive",), 0, check_fused_logprobs, model, batch, s
             )
         results += checks.guarded(
-            impl, ("split.gradient_invariance",), 0, check_split_invariance, impl, model, batch, s
-        )
-        if impl.path is None:  # memory of grpolab's own path; a learner's code is not sized
+            functions, ("split.gradient_invariance",), 0, check_split_invariance, functions,
+            model, batch, s,
+        )  # fmt: skip
+        if functions.path is None:  # memory of grpolab's own path; a learner's is not sized
             prompt_tokens = longest_prompt_tokens(run)
             results += checks.guarded(
-                impl, ("memory.worst_case",), 0, check_worst_case_memory, impl, model, cfg,
-                prompt_tokens,
+                functions, ("memory.worst_case",), 0, check_worst_case_memory, functions, model,
+                cfg, run.plan.micro, prompt_tokens,
             )  # fmt: skip
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
     return results
+
+
+def preflight(cfg: Config, functions: CoreFunctions | None = None) -> list[CheckResult]:
+    """`grpolab preflight`: build the configured run (model, engine, task, rewards) and run
+    every check on it. `functions`: the table to check (default: the trainer's)."""
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
+    return run_preflight(build_run(cfg, model, tokenizer, functions=functions))
 
 
 # --- Showing the results ------------------------------------------------------------------------
@@ -279,7 +269,7 @@ def results_table(results: list[CheckResult], title: str = "grpolab preflight") 
     return table
 
 
-def print_results(results: list[CheckResult], console: Console, impl: CoreImpl) -> None:
+def print_results(results: list[CheckResult], console: Console, impl: CoreFunctions) -> None:
     replaced = [f for f, src in impl.source.items() if src != "grpolab"]
     title = "grpolab preflight" + (f" of {impl.path} ({', '.join(replaced)})" if impl.path else "")
     console.print(results_table(results, title))
@@ -294,7 +284,7 @@ def print_results(results: list[CheckResult], console: Console, impl: CoreImpl) 
     console.print(f"{verdict} ({len(results)} checks)")
 
 
-def results_json(results: list[CheckResult], impl: CoreImpl) -> str:
+def results_json(results: list[CheckResult], impl: CoreFunctions) -> str:
     return json.dumps(
         {
             "passed": all(r.passed for r in results),
@@ -316,7 +306,7 @@ SKIP_WARNING = (
 )
 
 
-def preflight_gate(run, output_dir: Path, console: Console, skip: bool = False) -> None:
+def preflight_gate(run: Run, output_dir: Path, console: Console, skip: bool = False) -> None:
     """Run every check on the run's model, core functions and a real batch before step 1;
     write preflight.json; raise PreflightFailed if one fails. The global RNG state is left as
     found, so a resumed run stays bit-exact."""
@@ -328,11 +318,11 @@ def preflight_gate(run, output_dir: Path, console: Console, skip: bool = False) 
     tic = time.perf_counter()
     device = next(run.model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        results = run_preflight(run.cfg, run.core, run)
-    write_results(results, output_dir / "preflight.json", run.core)
+        results = run_preflight(run)
+    write_results(results, output_dir / "preflight.json", run.functions)
     failed = [r for r in results if not r.passed]
     if failed:
-        print_results(results, console, run.core)
+        print_results(results, console, run.functions)
         ids = ", ".join(r.id for r in failed)
         raise PreflightFailed(
             f"preflight: {len(failed)} of {len(results)} checks failed ({ids}); training did not "
@@ -344,43 +334,5 @@ def preflight_gate(run, output_dir: Path, console: Console, skip: bool = False) 
     )
 
 
-def cmd_preflight(args) -> int:
-    """Exit 0 when every check passes, 1 when any fails, 2 on a usage or config error."""
-    from grpolab.config import ConfigError, load_config
-
-    console = Console(stderr=args.json)
-    if not console.is_terminal:
-        console.width = 160  # a log file or a pipe: no reason to wrap at 80
-    try:
-        cfg = load_config(args.config, args.overrides)
-        impl = checks.load_impl(args.impl) if args.impl else CoreImpl()
-    except (ConfigError, checks.ImplLoadError, FileNotFoundError, ValueError) as e:
-        print(f"grpolab preflight: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        results = run_preflight(cfg, impl)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"grpolab preflight: error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(results_json(results, impl))
-    else:
-        print_results(results, console, impl)
-    return 0 if all(r.passed for r in results) else 1
-
-
-def add_preflight_parser(sub) -> None:
-    p = sub.add_parser(
-        "preflight", help="check every intermediate GRPO quantity on the configured model"
-    )
-    p.add_argument("--config", help="YAML config file (default: the built-in CPU demo)")
-    p.add_argument(
-        "--impl", help="a Python file defining any of the core functions to check instead"
-    )
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    p.set_defaults(func=cmd_preflight)
-
-
-def write_results(results: list[CheckResult], path: Path, impl: CoreImpl) -> None:
+def write_results(results: list[CheckResult], path: Path, impl: CoreFunctions) -> None:
     path.write_text(results_json(results, impl) + "\n")

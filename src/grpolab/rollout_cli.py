@@ -14,14 +14,11 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
-
-DEMO_MODEL_DIR = Path(__file__).resolve().parent / "data" / "demo-warmup"
 
 
 def add_rollout_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -52,31 +49,25 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 def run_rollout(
     config: str | None, overrides: list[str], n_prompts: int, console: Console
 ) -> dict[str, Any]:
+    from grpolab import seeds
     from grpolab.config import load_config
     from grpolab.rewards import load_rewards, score
-    from grpolab.rollout import build_engine
+    from grpolab.setup import load_start_model, resolve_device, task_engine
     from grpolab.tasks import load_task
 
     cfg = load_config(config, overrides)
     G = cfg.trainer.num_generations
-    if G < 2:
-        raise ValueError(f"trainer.num_generations={G}: expected an integer >= 2")
     if n_prompts < 1:
         raise ValueError(f"--n-prompts={n_prompts}: expected an integer >= 1")
     task = load_task(cfg.task)
     rewards = load_rewards(
         cfg.rewards, task=cfg.task, max_completion_length=cfg.rollout.max_completion_length
     )
-    model, tokenizer, model_name = load_model(cfg, console)
-    engine = build_engine(
-        cfg.rollout,
-        model,
-        tokenizer,
-        chat_template=cfg.task.chat_template,
-        system_prompt=cfg.task.system_prompt,
-        model_path=cfg.model.name_or_path,
-    )
-    examples = task.sample(min(n_prompts, len(task.train)), torch.Generator().manual_seed(cfg.seed))
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
+    engine = task_engine(cfg, model, tokenizer, model_path=cfg.model.name_or_path)
+    examples = task.sample(min(n_prompts, len(task.train)), seeds.prompt_order(cfg.seed))
     rollout = engine.generate([e.prompt for e in examples], G, cfg.rollout.sampling(cfg.seed))
     result = score(rollout, examples, rewards)
     lengths = rollout.completion_mask.sum(dim=1).tolist()
@@ -95,34 +86,12 @@ def run_rollout(
             }
         )
     return {
-        "model": model_name,
+        "model": cfg.model.name_or_path or "the demo model",
         "task": cfg.task.name,
         "num_generations": G,
         "samples": samples,
         "metrics": {k: _finite(v) for k, v in result.metrics.items()},
     }
-
-
-def load_model(cfg, console: Console):
-    """(model, tokenizer, name): the configured model; none configured: the built-in demo
-    model, or a random tiny one (with a note) when the demo checkpoint has not been built."""
-    from grpolab.models import build_char_tokenizer, build_tiny_model, load_policy
-
-    device = cfg.model.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.model.name_or_path:
-        name = cfg.model.name_or_path
-        return (*load_policy(name, cfg.model.dtype, device), name)
-    if (DEMO_MODEL_DIR / "config.json").is_file():
-        return (*load_policy(DEMO_MODEL_DIR, cfg.model.dtype, device), "the demo model")
-    console.print(
-        f"[yellow]note:[/] no demo checkpoint at {DEMO_MODEL_DIR}: sampling from a randomly "
-        "initialised tiny model (set model.name_or_path to use a real one)"
-    )
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, seed=cfg.seed).to(device)
-    return model, tokenizer, "a random tiny model"
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:

@@ -1,28 +1,21 @@
-"""The GRPO trainer: the loop, top to bottom, in `train` and `grpo_step`.
+"""The training loop: set up, check, train, finish.
 
-sample prompts_per_step prompts x G  -> rollout (eval mode, no grad)
--> rewards [B] -> group advantages [B]
--> logp_old (scheme A: a forward before any update; scheme B: the engine's)
--> logp_ref from a frozen copy when beta > 0 (LoRA: the policy with its adapters disabled)
--> num_iterations inner epochs over minibatches (gradient accumulation over micro-batches)
-   -> grpo_loss -> backward -> clip grad norm -> AdamW step -> LR schedule
--> metrics, sample completions, checkpoints
+    session = start(cfg, ...)      # device, ranks, run directory, model, run, resume
+    gate(session, ...)             # the preflight on this model and a real batch
+    steps(session)                 # grpo_step, monitors, evaluation, logs, checkpoints
+    finish(session)                # last checkpoint, held-out accuracy, summary.json
+
+Each step is `grpolab.step.grpo_step`; what it computes is documented there.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import dataclasses
-import inspect
 import json
-import math
 import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,53 +24,338 @@ import transformers
 from rich.console import Console
 from rich.markup import escape
 
-from grpolab import core as core_module
+from grpolab import core
 from grpolab import dist as dist_module
 from grpolab.checkpoint import (
-    ADAPTER_DIR,
-    RUN_CONFIG,
-    check_same_model,
-    load_checkpoint,
+    latest_checkpoint,
+    restore,
+    resume_config_changes,
     resume_point,
-    rng_state,
-    save_checkpoint,
+    save_run,
     set_aside,
-    set_rng_state,
 )
-from grpolab.checks import CoreImpl
-from grpolab.config import (
-    Config,
-    objective_fields,
-    run_changes,
-    to_dict,
-    to_yaml,
-    validate_world,
+from grpolab.config import Config, to_dict, to_yaml
+from grpolab.core import CoreFunctions
+from grpolab.evaluate import accuracy_rewards, evaluate_accuracy, evaluate_pass_at_k
+from grpolab.monitors import (
+    MonitorStop,
+    NonFiniteError,
+    check_step,
+    count_nonfinite,
+    limits_for,
+    write_capsule,
 )
-from grpolab.dist import Dist
-from grpolab.evaluate import accuracy_rewards, correct, evaluate_accuracy, evaluate_pass_at_k
-from grpolab.models import load_policy
-from grpolab.monitors import check_step, limits_for
 from grpolab.preflight import preflight_gate
-from grpolab.rewards import Rewards, load_rewards, score
-from grpolab.rollout import build_engine
-from grpolab.rollout.base import Rollout
 from grpolab.rundir import check_output_dir, prepare_output_dir
+from grpolab.setup import (
+    Run,
+    build_run,
+    load_start_model,
+    old_logprobs_from_loss_forward,
+    resolve_device,
+    task_engine,
+)
+from grpolab.step import StepBatch, grpo_step
 from grpolab.tasks import load_task
 from grpolab.tracking import Tracker, progress_bar
-
-DEMO_MODEL_DIR = Path(__file__).parent / "data" / "demo-warmup"
-
-
-class MonitorStop(RuntimeError):
-    """A monitored quantity left its normal range and trainer.monitor is "stop"."""
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient."""
 
 
 class Interrupted(RuntimeError):
     """Ctrl-C or SIGTERM stopped the run; the message says what was saved."""
+
+
+@dataclass
+class Session:
+    """A run in progress, and where it writes."""
+
+    run: Run
+    run_dir: Path  # checkpoints (rank 0 writes them)
+    log_dir: Path  # config, metrics, summary: run_dir on rank 0, a scratch directory elsewhere
+    console: Console
+    start_step: int
+    resume_dir: Path | None
+    # The loop's own state, kept in checkpoints: accuracy_before, eval_history,
+    # wall_seconds (of the runs before a resume), config_changes.
+    progress: dict[str, Any] = field(default_factory=dict)
+    wall_start: float = field(default_factory=time.time)
+    tracker: Tracker | None = None
+    step: int = 0  # the last step taken
+
+    def wall_seconds(self) -> float:
+        return self.progress.get("wall_seconds", 0.0) + time.time() - self.wall_start
+
+
+def train(
+    cfg: Config,
+    resume: str | bool | None = None,
+    overwrite: bool = False,
+    functions: CoreFunctions | None = None,
+    console: Console | None = None,
+    skip_preflight: bool = False,
+    allow_config_change: bool = False,
+) -> dict[str, Any]:
+    """Run GRPO as configured; returns the summary (also written to summary.json).
+
+    The preflight checks run first, on this model and a real batch, and training refuses to
+    start if one fails (PreflightFailed) unless `skip_preflight`. A resume whose config
+    changes what is trained is refused unless `allow_config_change`. `functions`: the core
+    functions to train with (a user's, `--impl`); default grpolab's, as configured."""
+    session = start(cfg, resume, overwrite, functions, console, allow_config_change)
+    gate(session, skip_preflight)
+    steps(session)
+    return finish(session)
+
+
+# --- Set up ------------------------------------------------------------------------------------
+
+
+def start(
+    cfg: Config,
+    resume: str | bool | None,
+    overwrite: bool,
+    functions: CoreFunctions | None,
+    console: Console | None,
+    allow_config_change: bool,
+) -> Session:
+    """Everything before the first step. The run directory, the checkpoint to resume and the
+    config against the checkpoint's are checked before anything is written there."""
+    wall_start = time.time()
+    console = console or wide_console()
+    transformers.utils.logging.disable_progress_bar()
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    device = dist_module.local_device(resolve_device(cfg.model.device))
+    # Under torchrun: one process per rank; only rank 0 writes the run directory (the others
+    # log to a scratch directory), and every rank runs the same loop.
+    d = dist_module.init(cfg.trainer.distributed, device)
+    if not d.main:
+        console = Console(quiet=True)
+    cfg.output_dir = cfg.output_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))
+    # Every rank names rank 0's directory ({time} may differ between processes).
+    cfg.output_dir = dist_module.all_gather_objects(cfg.output_dir, d)[0]
+    run_dir = Path(cfg.output_dir)
+    check_output_dir(run_dir, bool(resume), overwrite)
+    resume_dir, damaged = None, []
+    if resume:
+        resume_dir, damaged = resume_point(run_dir, None if resume is True else resume)
+
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_start_model(cfg, device)
+    run = build_run(cfg, model, tokenizer, device, functions, d)
+    start_step, progress, changes = 0, {}, []
+    if resume_dir is not None:
+        changes = resume_config_changes(cfg, resume_dir, run_dir, allow_config_change)
+        start_step, progress = restore(run, resume_dir)
+        console.print(f"resuming from {resume_dir} at step {start_step}")
+    if d.main:
+        for leftover in prepare_output_dir(run_dir, bool(resume), overwrite):
+            console.print(f"removed {leftover} (left by a save cut short)")
+        for path, why in damaged:  # out of the listing, kept for a look
+            console.print(
+                f"[yellow]warning:[/yellow] {path} is damaged ({escape(why)}): resumed from "
+                f"{resume_dir.name} instead; the damaged one is now {set_aside(path).name}"
+            )
+    dist_module.barrier(d)
+    if changes:
+        listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changes)
+        console.print(f"[yellow]config changed on resume (applied):[/yellow] {escape(listed)}")
+        progress.setdefault("config_changes", []).append(
+            {"step": start_step, "changes": {k: [old, new] for k, old, new in changes}}
+        )
+    log_dir = run_dir if d.main else Path(tempfile.mkdtemp(prefix=f"grpolab-rank{d.rank}-"))
+    progress = {k: progress[k] for k in PROGRESS_KEYS if k in progress}
+    return Session(run, run_dir, log_dir, console, start_step, resume_dir, progress, wall_start)
+
+
+# The loop's state that checkpoints keep (besides the run's).
+PROGRESS_KEYS = ("accuracy_before", "eval_history", "wall_seconds", "config_changes")
+
+
+def gate(session: Session, skip_preflight: bool) -> None:
+    """Write and print the resolved config and objective, run the preflight, open the logs,
+    and measure the held-out accuracy before training."""
+    run, console, log_dir = session.run, session.console, session.log_dir
+    cfg = run.cfg
+    card = core.objective_card(cfg.objective)
+    if old_logprobs_from_loss_forward(cfg, run.plan):
+        card += (
+            "\n  (one optimizer step per batch: logp_old is the loss forward's own detached"
+            " log-probs, exact, no extra pass)"
+        )
+    (log_dir / "config.yaml").write_text(to_yaml(cfg))
+    (log_dir / "objective.txt").write_text(card + "\n")
+    console.print("[bold]Resolved config[/bold]\n" + to_yaml(cfg))
+    console.print(card)
+    sharded = dist_module.is_sharded(run.model)
+    if sharded and not skip_preflight:  # its probes deep-copy the model, which FSDP2 refuses
+        console.print(
+            "preflight: not run under trainer.distributed=fsdp; `grpolab preflight` with this "
+            "config checks the same quantities on one process"
+        )
+    preflight_gate(run, log_dir, console, skip=skip_preflight or sharded)
+    session.tracker = Tracker(
+        log_dir, cfg.trainer.report_to, to_dict(cfg), console, resume_step=session.start_step
+    )
+    if session.resume_dir is None:
+        session.progress["accuracy_before"] = held_out_accuracy(session, "before GRPO")
+    session.progress.setdefault("eval_history", [])
+
+
+# --- The steps ---------------------------------------------------------------------------------
+
+
+def steps(session: Session) -> None:
+    """grpo_step from the start step to max_steps, each watched, logged and (every
+    save_steps) checkpointed. Stops with a checkpoint on a monitor (trainer.monitor=stop),
+    on too many non-finite steps in a row, or on Ctrl-C / SIGTERM."""
+    run, cfg = session.run, session.run.cfg
+    session.step = session.start_step
+    with (
+        progress_bar(session.console, cfg.trainer.progress) as bar,
+        StopRequests(bar.console) as stop,
+    ):
+        bar_task = bar.add_task("grpo", total=cfg.max_steps, completed=session.start_step, info="")
+        for step in range(session.start_step + 1, cfg.max_steps + 1):
+            try:
+                metrics, batch = grpo_step(run, step)
+            except KeyboardInterrupt:  # a second Ctrl-C: the step is incomplete, not saved
+                session.tracker.close()
+                raise Interrupted(
+                    f"interrupted during step {step}; it was not saved. "
+                    f"{last_checkpoint_note(session.run_dir)}"
+                ) from None
+            session.step = step
+            warnings = watch(session, step, metrics, batch, bar.console)
+            record(session, step, metrics, batch)
+            bar.update(bar_task, completed=step, info=f"reward {metrics['reward/mean']:.3f}")
+            if step == session.start_step + 1 or step % 10 == 0 or metrics["skipped"]:
+                bar.console.print(session.tracker.console_line(step, cfg.max_steps, metrics))
+            stop_if_unhealthy(session, step, warnings, batch)
+            if dist_module.any_rank(stop.requested, run.dist):
+                path = save(session, step)
+                session.tracker.close()
+                raise Interrupted(
+                    f"stopped after step {step} ({stop.signal_name}); checkpoint {path}; "
+                    f"continue with `grpolab train ... output_dir={session.run_dir} --resume`"
+                )
+            every = cfg.trainer.save_steps
+            if every and step % every == 0 and step < cfg.max_steps:
+                save(session, step)
+
+
+def watch(session: Session, step: int, metrics: dict, batch: StepBatch, console) -> list[str]:
+    """The monitors' warnings for this step (printed, and kept in its metrics); the
+    non-finite guard's counters."""
+    run, t = session.run, session.run.cfg.trainer
+    count_nonfinite(run, metrics["skipped"])
+    metrics["skipped_steps"] = run.skipped_steps
+    if t.monitor == "off":
+        return []
+    limits = limits_for(t, run.cfg.model.dtype)
+    trainer_logp_old = t.logprob_source == "trainer"
+    watched = metrics | {"nonfinite": batch.nonfinite}
+    warnings = check_step(step, watched, limits, trainer_logp_old)
+    if warnings:
+        metrics["warnings"] = warnings
+        for w in warnings:
+            console.print(f"[yellow]monitor:[/yellow] {escape(w)}")
+    return warnings
+
+
+def record(session: Session, step: int, metrics: dict, batch: StepBatch) -> None:
+    """Held-out accuracy every eval_steps, metrics.jsonl, sample completions."""
+    t = session.run.cfg.trainer
+    if t.eval_steps and step % t.eval_steps == 0 and step < session.run.cfg.max_steps:
+        metrics["eval_accuracy"] = held_out_accuracy(session, f"at step {step}")
+        session.progress["eval_history"].append([step, metrics["eval_accuracy"]])
+    session.tracker.log(step, metrics)
+    if t.log_completions_steps and (step == 1 or step % t.log_completions_steps == 0):
+        session.tracker.log_completions(step, batch.samples(t.log_completions_count))
+
+
+def stop_if_unhealthy(session: Session, step: int, warnings: list[str], batch: StepBatch):
+    """trainer.monitor=stop with a warning, or max_consecutive_nonfinite skipped steps in a
+    row: save, write the replay capsule (non-finite), raise."""
+    run, t = session.run, session.run.cfg.trainer
+    if warnings and t.monitor == "stop":
+        path = save(session, step)
+        session.tracker.close()
+        raise MonitorStop(
+            f"stopped at step {step} (trainer.monitor=stop): {warnings[0]}; checkpoint {path}"
+        )
+    if run.consecutive_nonfinite >= t.max_consecutive_nonfinite:
+        path = save(session, step)
+        capsule = session.log_dir / "nonfinite-capsule.pt"
+        write_capsule(capsule, run, batch, batch.nonfinite)
+        session.tracker.close()
+        raise NonFiniteError(
+            f"stopped at step {step}: {run.consecutive_nonfinite} consecutive steps with a "
+            f"non-finite value, first {batch.nonfinite}; weights unchanged since the last "
+            f"good step, saved to {path}; replay capsule {capsule}"
+        )
+
+
+def save(session: Session, step: int) -> Path:
+    progress = session.progress | {"wall_seconds": session.wall_seconds()}
+    progress.setdefault("config_changes", [])
+    return save_run(session.run, session.run_dir, step, progress)
+
+
+def held_out_accuracy(session: Session, label: str) -> float | None:
+    """Greedy accuracy in percent on the task's held-out problems (None when there are none
+    or trainer.eval_examples=0)."""
+    run, t = session.run, session.run.cfg.trainer
+    if t.eval_examples == 0 or not run.task.eval:
+        return None
+    tic = time.perf_counter()
+    length = t.eval_max_completion_length or run.cfg.rollout.max_completion_length
+    examples = run.task.eval[: t.eval_examples]
+    acc = evaluate_accuracy(run.engine, examples, run.accuracy, length)
+    session.console.print(
+        f"held-out accuracy {label}: [bold]{acc:.1f}%[/bold] ({len(examples)} problems, "
+        f"greedy, {time.perf_counter() - tic:.1f} s)"
+    )
+    return acc
+
+
+# --- Finish ------------------------------------------------------------------------------------
+
+
+def finish(session: Session) -> dict[str, Any]:
+    """The last checkpoint, the held-out accuracy after training, summary.json."""
+    run, cfg, console = session.run, session.run.cfg, session.console
+    trained = cfg.max_steps > session.start_step or session.resume_dir is None
+    checkpoint = save(session, cfg.max_steps) if trained else session.resume_dir
+    before = session.progress.get("accuracy_before")
+    after = held_out_accuracy(session, "after GRPO")
+    session.tracker.close()
+    summary = {
+        "accuracy_before": before,
+        "accuracy_after": after,
+        "accuracy_gain": None if before is None or after is None else after - before,
+        "steps": session.step,
+        "skipped_steps": run.skipped_steps,
+        "eval_history": session.progress["eval_history"],
+        "wall_seconds": session.wall_seconds(),
+        "checkpoint": str(checkpoint),
+        "eval_examples": min(cfg.trainer.eval_examples, len(run.task.eval)),
+        "config_changes": session.progress.get("config_changes", []),
+    }
+    (session.log_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    close_engine = getattr(run.engine, "close", None)
+    if callable(close_engine):  # vLLM tears its process groups down: before the trainer's
+        close_engine()
+    dist_module.shutdown()
+    if before is not None and after is not None:
+        console.print(
+            f"[bold]held-out accuracy: {before:.1f}% before GRPO -> {after:.1f}% after "
+            f"{session.step} steps ({after - before:+.1f} points)[/bold] in "
+            f"{summary['wall_seconds']:.0f} s; run directory {session.log_dir}"
+        )
+    return summary
+
+
+# --- Stopping on request -------------------------------------------------------------------------
 
 
 class StopRequests:
@@ -116,606 +394,8 @@ class StopRequests:
 
 
 def last_checkpoint_note(run_dir: Path) -> str:
-    from grpolab.checkpoint import latest_checkpoint
-
     latest = latest_checkpoint(run_dir)
     return f"The last checkpoint is {latest}." if latest else "No checkpoint was saved."
-
-
-# --- The core functions the loop calls (a learner's own implementation may replace them) ------
-
-
-# The six core functions the loop calls, and where each came from (grpolab or a user's file).
-CoreFns = CoreImpl
-
-
-def default_core(logprobs_impl: str = "fused", shared_prefix: bool = True) -> CoreFns:
-    """grpolab.core, with the memory-efficient grpolab.logprobs for the log-probs."""
-    fns = CoreImpl()
-    if logprobs_impl != "core":
-        from grpolab.logprobs import token_logprobs
-
-        def sequence_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0):
-            return token_logprobs(
-                model,
-                input_ids,
-                attention_mask,
-                completion_mask,
-                temperature,
-                impl=logprobs_impl,
-                shared_prefix=shared_prefix,
-            )
-
-        fns.sequence_logprobs = sequence_logprobs
-        fns.source["sequence_logprobs"] = f"grpolab.logprobs ({logprobs_impl})"
-    return fns
-
-
-# --- Pure helpers -----------------------------------------------------------------------------
-
-
-def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
-    """Multiplier of the base LR after `s` optimizer steps: linear warm-up, then constant or
-    cosine to 0 at `total`."""
-
-    def f(s: int) -> float:
-        if warmup and s < warmup:
-            return (s + 1) / (warmup + 1)
-        if kind == "constant":
-            return 1.0
-        progress = min(1.0, (s - warmup) / max(1, total - warmup))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return f
-
-
-def compile_decoder_layers(model: torch.nn.Module) -> int:
-    """torch.compile, in place, each part of every decoder layer that maps one tensor to one
-    tensor (the MLP, the norms): their elementwise chains fuse into a few kernels, and the
-    same code in every layer compiles to one graph. Attention stays eager: it takes the KV
-    cache and its layer index, which would compile a graph per layer. Returns the count."""
-    import inspect
-
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    parts = []
-    for layer in model.modules():
-        if not isinstance(layer, GradientCheckpointingLayer):
-            continue
-        for child in layer.children():
-            params = inspect.signature(child.forward).parameters.values()
-            required = [p for p in params if p.default is inspect.Parameter.empty]
-            if len(required) == 1 and required[0].kind != inspect.Parameter.VAR_POSITIONAL:
-                parts.append(child)
-    if not parts:
-        raise ValueError(
-            f"trainer.torch_compile=true: {type(model).__name__} has no transformers decoder "
-            "layer parts (GradientCheckpointingLayer children taking one tensor) to compile"
-        )
-    for part in parts:
-        part.compile(dynamic=True)
-    return len(parts)
-
-
-def fused_adamw_ok(params: list[torch.Tensor]) -> bool:
-    """AdamW's fused kernel (one kernel per tensor, ~2x faster steps on small models) takes
-    plain floating-point tensors on CPU or CUDA; sharded DTensors keep the default."""
-    from torch.distributed.tensor import DTensor
-
-    return bool(params) and all(
-        not isinstance(p, DTensor) and p.is_floating_point() and p.device.type in ("cpu", "cuda")
-        for p in params
-    )
-
-
-def unit_count(mode: str, unit_mask: torch.Tensor) -> float:
-    """The loss normaliser's count for one optimizer-step unit: tokens for "token", sequences
-    otherwise (constant's B * max_len shares its max_len with every micro-batch)."""
-    mode = core_module.LOSS_TYPE_ALIASES.get(mode, mode)
-    return float(unit_mask.sum()) if mode == "token" else float(unit_mask.shape[0])
-
-
-def loss_scale(
-    mode: str, micro_mask: torch.Tensor, unit_mask: torch.Tensor, unit_total: float | None = None
-) -> float:
-    """Factor turning a micro-batch's `aggregate` loss into its share of the loss of the whole
-    optimizer-step unit, so accumulated gradients equal the one-pass gradient exactly:
-    sequence -> b_micro / b_unit; token -> tokens_micro / tokens_unit (aggregate clamps the
-    count at 1); constant -> b_micro / b_unit (same max_completion_length). `unit_total` is the
-    unit's count over all ranks (`unit_count` all-reduced); None: this process's unit alone."""
-    mode = core_module.LOSS_TYPE_ALIASES.get(mode, mode)
-    total = unit_count(mode, unit_mask) if unit_total is None else unit_total
-    if mode == "token":
-        return float(micro_mask.sum().clamp(min=1)) / max(total, 1.0)
-    return micro_mask.shape[0] / total
-
-
-def is_on_policy(cfg: Config) -> bool:
-    """One optimizer step per batch: the policy cannot change before the loss forward, so
-    that forward's detached log-probs ARE scheme A's logp_old (no extra pass needed)."""
-    t = cfg.trainer
-    one_minibatch = t.mini_batch_size in (None, cfg.batch_size)
-    return t.num_iterations == 1 and one_minibatch and t.logprob_source == "trainer"
-
-
-def first_nonfinite(
-    named: dict[str, torch.Tensor | None], mask: torch.Tensor | None = None
-) -> str | None:
-    """The first of the named tensors (in order) with a non-finite value where `mask` is set
-    (everywhere without a mask), with a count."""
-    for name, t in named.items():
-        if t is None:
-            continue
-        bad = ~torch.isfinite(t)
-        if mask is not None:
-            bad = bad & mask.bool()
-        if bad.any():
-            return f"{name} ({int(bad.sum())} non-finite values)"
-    return None
-
-
-def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    return torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-    )
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-# --- One GRPO step ----------------------------------------------------------------------------
-
-
-@dataclass
-class Run:
-    """Everything the loop holds."""
-
-    cfg: Config
-    model: torch.nn.Module
-    tokenizer: Any
-    ref_model: torch.nn.Module | None
-    engine: Any
-    task: Any
-    rewards: Rewards  # the training reward functions
-    accuracy: Rewards  # the accuracy reward alone, for the accuracy metric and evaluation
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    data_gen: torch.Generator
-    core: CoreFns
-    device: torch.device
-    skipped_steps: int = 0
-    consecutive_nonfinite: int = 0
-    dist: Dist = dataclasses.field(default_factory=Dist)
-    reducer: dist_module.GradientReducer | None = None  # ddp: sums gradients during backward
-
-
-def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One GRPO step. Returns (metrics, batch) where batch holds what a replay capsule needs."""
-    cfg, t, model, C = run.cfg, run.cfg.trainer, run.model, run.core
-    G = t.num_generations
-    temperature = cfg.rollout.temperature
-    timings: dict[str, float] = {}
-
-    # 1. Rollout: eval mode, no grad, a per-step seed (a resumed run samples the same).
-    tic = time.perf_counter()
-    # Every rank draws the same global prompts and keeps its slice of whole groups.
-    d = run.dist
-    drawn = run.task.sample(t.prompts_per_step, run.data_gen)
-    examples = drawn[dist_module.rank_slice(len(drawn), d)]
-    seed = cfg.seed * 1_000_003 + step
-    if d.on and t.rollout_split == "replicated":
-        rollout = run.engine.generate([e.prompt for e in drawn], G, cfg.rollout.sampling(seed))
-        rollout = slice_rollout(rollout, dist_module.rank_slice(rollout.batch_size, d))
-    else:
-        seed += 7_654_321 * d.rank  # rank 0 samples what a single process samples
-        rollout = run.engine.generate([e.prompt for e in examples], G, cfg.rollout.sampling(seed))
-    timings["time/rollout"] = time.perf_counter() - tic
-
-    # 2. Rewards and group advantages.
-    tic = time.perf_counter()
-    scores = score(rollout, examples, run.rewards)
-    rewards = scores.total  # [B]
-    per_sample = [e for e in examples for _ in range(G)]
-    is_correct = correct(rollout.completions, per_sample, run.accuracy)  # [B] bool
-    # Advantages over the global batch ("batch" scaling needs every rank's rewards).
-    all_rewards = dist_module.all_gather_cat(rewards, d)  # [B_global]
-    advantages = C.group_advantages(all_rewards, G, scale=t.scale_rewards, eps=t.advantage_eps)
-    adv_group_sum = float(advantages.view(-1, G).sum(dim=1).abs().max())  # monitored: ~0
-    advantages = advantages[dist_module.rank_slice(len(advantages), d)]  # [B]
-    timings["time/score"] = time.perf_counter() - tic
-
-    dev = run.device
-    input_ids = rollout.input_ids.to(dev)  # [B, T]
-    attention_mask = rollout.attention_mask.to(dev)  # [B, T]
-    completion_mask = rollout.completion_mask.to(dev)  # [B, T]
-    advantages = advantages.to(dev)
-    B = input_ids.shape[0]
-    mini = t.mini_batch_size // d.world if t.mini_batch_size else B  # this rank's share
-    micro = mini // t.gradient_accumulation_steps
-    on_policy = is_on_policy(cfg)
-
-    # 3. Old and reference log-probs, before any update.
-    tic = time.perf_counter()
-    logp_old = None  # [B, T-1]
-    if t.logprob_source == "engine":
-        if rollout.engine_logprobs is None:
-            raise ValueError("trainer.logprob_source=engine but the engine returned no log-probs")
-        logp_old = rollout.engine_logprobs.to(dev)
-    elif not on_policy:
-        with autocast(t.autocast, dev):  # the same precision as the loss forward: ratio 1
-            logp_old = batched_logprobs(
-                C, model, input_ids, attention_mask, completion_mask, micro, temperature
-            )
-    logp_ref = None  # [B, T-1]
-    if t.beta > 0:
-        with autocast(t.autocast, dev):
-            logp_ref = reference_logprobs(
-                run, input_ids, attention_mask, completion_mask, micro, temperature
-            )
-    timings["time/logprobs"] = time.perf_counter() - tic
-
-    # 4. Inner epochs over minibatches; one optimizer step per minibatch.
-    tic = time.perf_counter()
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    sums: dict[str, float] = {}
-    weight_total = 0.0
-    norms, unit_losses, skipped, nonfinite_what = [], [], 0, None
-    perm_gen = torch.Generator().manual_seed(cfg.seed * 7_919 + step + 104_729 * d.rank)
-    engine_logprobs = None if rollout.engine_logprobs is None else rollout.engine_logprobs.to(dev)
-    ratio_dev, engine_gap = 0.0, None  # measured before this step's first update
-    tis = {"capped": 0.0, "weight": 0.0, "tokens": 0.0}
-    for epoch in range(t.num_iterations):
-        order = torch.randperm(B, generator=perm_gen) if mini < B else torch.arange(B)
-        for start in range(0, B, mini):
-            unit = order[start : start + mini]
-            unit_mask = completion_mask[unit, 1:]  # [mini, T-1]
-            run.optimizer.zero_grad(set_to_none=True)
-            unit_loss, bad = 0.0, None
-            # The normaliser is global: the same count on every rank, so the ranks' summed
-            # gradients are the single-process gradient of the global unit.
-            unit_total = dist_module.all_sum(unit_count(t.loss_type, unit_mask), d)
-            for m_start in range(0, mini, micro):
-                # Ascending rows keep a group's samples adjacent (one prompt forward each).
-                idx = unit[m_start : m_start + micro].sort().values
-                with autocast(t.autocast, dev):  # the forward only; backward outside
-                    logp, mask = C.sequence_logprobs(
-                        model,
-                        input_ids[idx],
-                        attention_mask[idx],
-                        completion_mask[idx],
-                        temperature,
-                    )  # [b, T-1], float32 whatever the matmul precision
-                old = logp.detach() if logp_old is None else logp_old[idx]
-                ref = None if logp_ref is None else logp_ref[idx]
-                weights = None  # [b, T-1] truncated importance weights, engine -> trainer
-                if t.tis_cap is not None:
-                    if engine_logprobs is None:
-                        raise ValueError(
-                            "trainer.tis_cap needs the engine's log-probs; this engine returned "
-                            "none (vLLM with top_k / top_p)"
-                        )
-                    weights = core_module.tis_weights(old, engine_logprobs[idx], mask, t.tis_cap)
-                    tis["capped"] += float(((weights >= t.tis_cap) * mask).sum())
-                    tis["weight"] += float((weights * mask).sum())
-                    tis["tokens"] += float(mask.sum())
-                if epoch == 0 and start == 0:  # the policy that sampled, not yet updated
-                    ratio_dev = max(
-                        ratio_dev, masked_max_abs(torch.exp(logp.detach() - old) - 1, mask)
-                    )
-                    if engine_logprobs is not None:
-                        gap = masked_max_abs(engine_logprobs[idx] - logp.detach(), mask)
-                        engine_gap = max(engine_gap or 0.0, gap)
-                loss, m = C.grpo_loss(
-                    logp,
-                    old,
-                    ref,
-                    advantages[idx],
-                    mask,
-                    eps_low=t.epsilon,
-                    eps_high=t.epsilon_high,
-                    beta=t.beta,
-                    loss_agg=t.loss_type,
-                    max_completion_length=cfg.rollout.max_completion_length,
-                    **({} if weights is None else {"token_weights": weights}),
-                )
-                given_old = None if logp_old is None else old  # on-policy: old is logp itself
-                bad = bad or first_nonfinite(
-                    {"logp_old": given_old, "logp_ref": ref, "logp_new": logp.detach()}, mask
-                )
-                bad = bad or first_nonfinite({"loss": loss.detach()})
-                share = loss * loss_scale(t.loss_type, mask, unit_mask, unit_total)
-                if run.reducer is not None and m_start + micro >= mini:  # the unit's last
-                    run.reducer.arm()
-                (share * dist_module.loss_multiplier(d)).backward()
-                unit_loss += float(share.detach())
-                w = float(mask.sum())
-                weight_total += w
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * w
-            if run.reducer is not None:
-                run.reducer.wait()
-            norm = dist_module.grad_norm(params, d) if d.on else grad_norm(params)
-            bad = bad or first_nonfinite({"gradient": norm})
-            if d.on and dist_module.any_rank(bad is not None, d):
-                bad = bad or "a non-finite value on another rank"
-            if bad is None and t.max_grad_norm > 0:
-                if d.on:
-                    dist_module.clip_gradients(params, norm, t.max_grad_norm)
-                else:
-                    torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
-            if bad is not None:
-                # The non-finite guard: nothing reaches the weights or the optimizer moments.
-                run.optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                nonfinite_what = nonfinite_what or bad
-            else:
-                run.optimizer.step()
-                run.scheduler.step()  # the schedule counts applied updates
-                norms.append(float(norm))
-            unit_losses.append(dist_module.all_sum(unit_loss, d) if d.on else unit_loss)
-    run.engine.sync_weights(model)  # a separate engine (vLLM) samples the next step from these
-    timings["time/update"] = time.perf_counter() - tic
-
-    # 5. Metrics (over all ranks: token-weighted sums added, the rest averaged).
-    if d.on:
-        weight_total = dist_module.all_sum(weight_total, d)
-        sums = {k: dist_module.all_sum(v, d) for k, v in sorted(sums.items())}
-    metrics: dict[str, Any] = {
-        **scores.metrics,  # reward/mean|std, rewards/<fn>/mean, frac_reward_zero_std, lengths
-        "accuracy": float(is_correct.float().mean()),
-        **{k: v / max(weight_total, 1.0) for k, v in sums.items()},  # token-weighted
-        "loss": sum(unit_losses) / len(unit_losses),  # the loss each optimizer step saw
-        "grad_norm": sum(norms) / len(norms) if norms else float("nan"),
-        "lr": run.scheduler.get_last_lr()[0],
-        "skipped": skipped,
-        "monitor/ratio_dev": ratio_dev,
-        "monitor/adv_group_sum": adv_group_sum,
-        **({} if engine_gap is None else {"monitor/engine_gap": engine_gap}),
-        **(
-            {}
-            if t.tis_cap is None
-            else {
-                "tis/weight_mean": tis["weight"] / max(tis["tokens"], 1.0),
-                "tis/capped_frac": tis["capped"] / max(tis["tokens"], 1.0),
-            }
-        ),
-        **timings,
-    }
-    metrics["time/step"] = sum(timings.values())
-    sync_gap = getattr(run.engine, "last_sync_gap", None)  # vLLM: the verified sync's canary gap
-    if sync_gap is not None:
-        metrics["engine/sync_gap"] = sync_gap
-    metrics["tokens_per_s"] = float(attention_mask.sum()) / max(metrics["time/step"], 1e-9)
-    if d.on:
-        worst = {k: v for k, v in metrics.items() if k.startswith("monitor/")}  # max, not mean
-        metrics = dist_module.mean_metrics(metrics, d) | dist_module.max_metrics(worst, d)
-        metrics["tokens_per_s"] *= d.world
-    batch = {
-        "step": step,
-        "what": nonfinite_what,
-        "input_ids": input_ids.cpu(),
-        "attention_mask": attention_mask.cpu(),
-        "completion_mask": completion_mask.cpu(),
-        "rewards": rewards.cpu(),
-        "advantages": advantages.cpu(),
-        "logp_old": None if logp_old is None else logp_old.cpu(),
-        "logp_ref": None if logp_ref is None else logp_ref.cpu(),
-        "prompts": rollout.prompts,
-        "completions": rollout.completions,
-        "answers": [e.answer for e in examples for _ in range(G)],
-    }
-    return metrics, batch
-
-
-def autocast(mode: str, device: torch.device):
-    """bf16 matmuls for the model's forwards (weights and optimizer stay in the model dtype),
-    or nothing."""
-    if mode == "off":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
-def masked_max_abs(values: torch.Tensor, mask: torch.Tensor) -> float:
-    """max |values| over the positions where mask is set (0 when none is)."""
-    picked = values[mask.bool()]
-    return float(picked.abs().max()) if picked.numel() else 0.0
-
-
-def slice_rollout(r: Rollout, rows: slice) -> Rollout:
-    """The rows `rows` of a rollout (whole groups), every per-sample field cut alike."""
-    return dataclasses.replace(
-        r,
-        input_ids=r.input_ids[rows],
-        attention_mask=r.attention_mask[rows],
-        completion_mask=r.completion_mask[rows],
-        group_ids=r.group_ids[rows] - r.group_ids[rows][0],
-        prompts=r.prompts[rows],
-        completions=r.completions[rows],
-        truncated=r.truncated[rows],
-        engine_logprobs=None if r.engine_logprobs is None else r.engine_logprobs[rows],
-    )
-
-
-@torch.no_grad()
-def batched_logprobs(C, model, input_ids, attention_mask, completion_mask, chunk, temperature):
-    """Log-probs of the whole batch in chunks of `chunk` rows, no grad: [B, T-1]."""
-    out = []
-    for s in range(0, input_ids.shape[0], chunk):
-        logp, _ = C.sequence_logprobs(
-            model,
-            input_ids[s : s + chunk],
-            attention_mask[s : s + chunk],
-            completion_mask[s : s + chunk],
-            temperature,
-        )
-        out.append(logp)
-    return torch.cat(out)
-
-
-def reference_logprobs(run: Run, input_ids, attention_mask, completion_mask, chunk, temperature):
-    """Log-probs under the reference policy: the frozen copy, or under LoRA the same model with
-    its adapters disabled (the base weights never change): [B, T-1]."""
-    args = (input_ids, attention_mask, completion_mask, chunk, temperature)
-    if run.ref_model is not None:
-        return batched_logprobs(run.core, run.ref_model, *args)
-    with run.model.disable_adapter():
-        return batched_logprobs(run.core, run.model, *args)
-
-
-def is_lora(model: torch.nn.Module) -> bool:
-    """A peft model (checked without importing peft, an optional dependency)."""
-    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
-
-
-def wrap_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-    """`model` with LoRA adapters on trainer.lora_target_modules; only they are trainable."""
-    t = cfg.trainer
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as e:
-        raise ImportError(
-            f"trainer.lora_r={t.lora_r} needs peft: pip install 'grpolab[lora]'"
-        ) from e
-    lora = LoraConfig(
-        r=t.lora_r,
-        lora_alpha=t.lora_alpha,
-        lora_dropout=t.lora_dropout,
-        target_modules=list(t.lora_target_modules),
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, lora)
-
-
-def load_lora_adapter(model: torch.nn.Module, checkpoint_dir: Path) -> None:
-    """Restore the adapter weights a LoRA checkpoint holds in adapter/."""
-    from peft import load_peft_weights, set_peft_model_state_dict
-
-    adapter = checkpoint_dir / ADAPTER_DIR
-    if not adapter.is_dir():
-        raise ValueError(
-            f"--resume {str(checkpoint_dir)!r}: no {ADAPTER_DIR}/ there (a full fine-tuning "
-            "checkpoint); resume it with trainer.lora_r=0"
-        )
-    result = set_peft_model_state_dict(model, load_peft_weights(str(adapter)))
-    if result.unexpected_keys:
-        raise ValueError(
-            f"--resume {str(checkpoint_dir)!r}: its adapter does not match trainer.lora_* "
-            f"(unexpected {result.unexpected_keys[:3]})"
-        )
-
-
-def restore(run: Run, checkpoint_dir: Path) -> tuple[int, dict[str, Any]]:
-    """Load a checkpoint's weights, optimizer moments, schedule position, data position and
-    RNG into `run`; returns (its step, its state). The optimizer's hyperparameters (learning
-    rate, betas, weight decay) come from the run's config, so a changed learning rate that
-    was allowed reaches the optimizer and the schedule."""
-    cfg, model, device = run.cfg, run.model, run.device
-    check_same_model(model, checkpoint_dir)
-    saved, _, extra, state = load_checkpoint(checkpoint_dir, cfg.model.dtype, str(device))
-    if is_lora(model):  # the base weights are the start model's; saved holds them merged
-        load_lora_adapter(model, checkpoint_dir)
-    elif (checkpoint_dir / ADAPTER_DIR).is_dir():
-        raise ValueError(
-            f"--resume {str(checkpoint_dir)!r}: a LoRA checkpoint; resume it with the "
-            "trainer.lora_* settings it was trained with"
-        )
-    elif dist_module.is_sharded(model):
-        dist_module.load_full_model_state(model, saved.state_dict())
-    else:
-        model.load_state_dict(saved.state_dict())
-    del saved
-    if dist_module.is_named_optimizer_state(extra["optimizer"]):  # saved by a multi-rank run
-        dist_module.load_full_optimizer_state(model, run.optimizer, extra["optimizer"])
-    elif dist_module.is_sharded(model):
-        raise ValueError(
-            f"--resume {str(checkpoint_dir)!r}: a single-process checkpoint resumes under "
-            "trainer.distributed=ddp, not fsdp"
-        )
-    else:
-        run.optimizer.load_state_dict(extra["optimizer"])
-    run.scheduler.load_state_dict(extra["scheduler"])
-    apply_optimizer_config(run)
-    run.data_gen.set_state(extra["data_generator"])
-    set_rng_state(extra["rng"])
-    run.skipped_steps = state.get("skipped_steps", 0)
-    run.consecutive_nonfinite = state.get("consecutive_nonfinite", 0)
-    run.engine.sync_weights(model)
-    return state["step"], state
-
-
-def apply_optimizer_config(run: Run) -> None:
-    """Learning rate, betas and weight decay from the config into the optimizer and the LR
-    schedule (a loaded state dict brings the checkpoint's). With an unchanged config this
-    rewrites the values they already hold: base_lr * multiplier(step) is the schedule's own
-    formula."""
-    t = run.cfg.trainer
-    scheduler = run.scheduler
-    scheduler.base_lrs = [t.learning_rate] * len(scheduler.base_lrs)
-    for group, multiplier in zip(run.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-        group["initial_lr"] = t.learning_rate
-        group["lr"] = t.learning_rate * multiplier(scheduler.last_epoch)
-        group["betas"] = (t.adam_beta1, t.adam_beta2)
-        group["weight_decay"] = t.weight_decay
-    scheduler._last_lr = [group["lr"] for group in run.optimizer.param_groups]
-
-
-class ConfigChangedOnResume(ValueError):
-    """The config differs from the checkpoint's in keys that change what is trained."""
-
-
-def resume_config_changes(
-    cfg: Config, checkpoint_dir: Path, run_dir: Path, allow: bool
-) -> list[tuple[str, Any, Any]]:
-    """The run-changing keys in which `cfg` differs from the config `checkpoint_dir` was
-    trained with (its own copy, else the run directory's config.yaml). Raises
-    ConfigChangedOnResume naming them unless `allow`."""
-    import yaml
-
-    for source in (checkpoint_dir / RUN_CONFIG, run_dir / "config.yaml"):
-        if source.is_file():
-            break
-    else:
-        return []
-    try:
-        saved = yaml.safe_load(source.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"{source} is not valid YAML: {e}") from None
-    changes = run_changes(saved if isinstance(saved, dict) else {}, cfg)
-    if changes and not allow:
-        listed = ", ".join(f"{k} (was {old!r}, now {new!r})" for k, old, new in changes)
-        raise ConfigChangedOnResume(
-            f"--resume: the config differs from {source}'s in keys that change the run: "
-            f"{listed}; restore them, or pass --allow-config-change to apply the new values "
-            "from here on (config.yaml and the checkpoints will record them)"
-        )
-    return changes
-
-
-# --- The run: setup, loop, checkpoints, summary ----------------------------------------------
-
-
-def load_start_model(cfg: Config, device: torch.device):
-    """The model training starts from: a local directory / hub id, or the shipped demo model."""
-    source = cfg.model.name_or_path
-    if source is None:
-        if not (DEMO_MODEL_DIR / "config.json").is_file():
-            raise FileNotFoundError(
-                f"the built-in demo model is missing at {DEMO_MODEL_DIR}; regenerate it with "
-                "`grpolab warmup`"
-            )
-        source = str(DEMO_MODEL_DIR)
-    elif not Path(source).expanduser().exists() and (
-        source.startswith((".", "/", "~")) or source.count("/") > 1  # a hub id is "org/name"
-    ):
-        raise FileNotFoundError(f"model.name_or_path={source!r} does not exist")
-    return load_policy(source, dtype=cfg.model.dtype, device=device)
 
 
 def wide_console() -> Console:
@@ -726,377 +406,7 @@ def wide_console() -> Console:
     return console
 
 
-def check_core_supports(core: CoreFns, cfg: Config) -> None:
-    """Options that need more than the seed's signatures from a user's core functions."""
-    if cfg.trainer.tis_cap is not None:
-        params = inspect.signature(core.grpo_loss).parameters
-        if "token_weights" not in params:
-            source = core.source.get("grpo_loss", "grpolab")
-            raise ValueError(
-                f"trainer.tis_cap={cfg.trainer.tis_cap} needs a grpo_loss that takes "
-                f"token_weights; the one from {source} does not"
-            )
-
-
-def task_engine(cfg: Config, model: torch.nn.Module, tokenizer):
-    """The configured rollout engine, with the task's chat template and system prompt."""
-    return build_engine(
-        cfg.rollout,
-        model,
-        tokenizer,
-        chat_template=cfg.task.chat_template,
-        system_prompt=cfg.task.system_prompt,
-    )
-
-
-def make_run(
-    cfg: Config,
-    model: torch.nn.Module,
-    tokenizer,
-    device: torch.device | None = None,
-    core: CoreFns | None = None,
-    dist: Dist | None = None,
-) -> Run:
-    """Task, rewards, engine, reference copy, optimizer and LR schedule around `model`;
-    under data parallel the model is sharded (fsdp) or made equal on every rank (ddp) first."""
-    t = cfg.trainer
-    core = core or default_core(t.logprobs, t.shared_prefix)
-    check_core_supports(core, cfg)
-    d = dist or Dist()
-    if d.on:
-        validate_world(cfg, d.world)
-    ref_model = None
-    if t.lora_r > 0:  # the reference is this model with its adapters disabled: no copy
-        model = wrap_lora(model, cfg)
-    elif t.beta > 0:  # a frozen copy of the starting weights
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    if t.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if t.torch_compile:  # before sharding: fully_shard wraps the compiled layers
-        compile_decoder_layers(model)
-    if d.on and d.mode == "fsdp":
-        model = dist_module.shard(model)
-        if ref_model is not None:
-            ref_model = dist_module.shard(ref_model)
-    elif d.on:
-        dist_module.broadcast_parameters(model)
-    steps_per_batch = t.num_iterations * (cfg.batch_size // (t.mini_batch_size or cfg.batch_size))
-    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    optimizer = torch.optim.AdamW(
-        trained,
-        lr=t.learning_rate,
-        betas=(t.adam_beta1, t.adam_beta2),
-        weight_decay=t.weight_decay,
-        fused=fused_adamw_ok(trained) or None,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(t.lr_scheduler, t.warmup_steps, cfg.max_steps * steps_per_batch)
-    )
-    engine = task_engine(cfg, model, tokenizer)
-    return Run(
-        cfg=cfg,
-        model=model,
-        tokenizer=tokenizer,
-        ref_model=ref_model,
-        engine=engine,
-        task=load_task(cfg.task),
-        rewards=load_rewards(
-            cfg.rewards, task=cfg.task, max_completion_length=cfg.rollout.max_completion_length
-        ),
-        accuracy=accuracy_rewards(cfg.rewards, cfg.task),
-        optimizer=optimizer,
-        scheduler=scheduler,
-        data_gen=torch.Generator().manual_seed(cfg.seed),
-        core=core,
-        device=device or next(model.parameters()).device,
-        dist=d,
-        reducer=(
-            dist_module.GradientReducer(trained, t.ddp_bucket_mb)
-            if d.on and d.mode == "ddp"
-            else None
-        ),
-    )
-
-
-def train(
-    cfg: Config,
-    resume: str | bool | None = None,
-    overwrite: bool = False,
-    core: CoreFns | None = None,
-    console: Console | None = None,
-    skip_preflight: bool = False,
-    allow_config_change: bool = False,
-) -> dict[str, Any]:
-    """Run GRPO as configured; returns the summary (also written to summary.json).
-
-    The preflight checks run first, on this model and a real batch, and training refuses to
-    start if one fails (PreflightFailed) unless `skip_preflight`. A resume whose config
-    changes what is trained is refused unless `allow_config_change`."""
-    console = console or wide_console()
-    t = cfg.trainer
-    wall_start = time.time()
-    transformers.utils.logging.disable_progress_bar()
-    if t.num_threads:
-        torch.set_num_threads(t.num_threads)
-    device = dist_module.local_device(resolve_device(cfg.model.device))
-    # Under torchrun: one process per rank; only rank 0 writes the run directory (the others
-    # write their logs to a scratch directory), and every rank runs the same loop.
-    d = dist_module.init(t.distributed, device)
-    if not d.main:
-        console = Console(quiet=True)
-    cfg.output_dir = cfg.output_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))
-    if d.on:  # every rank names rank 0's directory ({time} may differ between processes)
-        cfg.output_dir = dist_module.all_gather_objects(cfg.output_dir, d)[0]
-    output_dir = run_dir = Path(cfg.output_dir)
-    # Everything is checked before the run directory changes: a failed command leaves it as
-    # it was.
-    check_output_dir(output_dir, bool(resume), overwrite)
-    resume_dir, passed_over = None, []
-    if resume:
-        resume_dir, passed_over = resume_point(output_dir, None if resume is True else resume)
-
-    torch.manual_seed(cfg.seed)
-    model, tokenizer = load_start_model(cfg, device)
-    run = make_run(cfg, model, tokenizer, device, core, d)
-    model = run.model  # sharded or LoRA-wrapped
-    start_step, state, changes = 0, {}, []
-    if resume_dir is not None:
-        changes = resume_config_changes(cfg, resume_dir, run_dir, allow_config_change)
-        start_step, state = restore(run, resume_dir)
-        console.print(f"resuming from {resume_dir} at step {start_step}")
-    if d.main:
-        for leftover in prepare_output_dir(output_dir, bool(resume), overwrite):
-            console.print(f"removed {leftover} (left by a save cut short)")
-        for damaged, why in passed_over:  # out of the listing, kept for a look
-            console.print(
-                f"[yellow]warning:[/yellow] {damaged} is damaged ({escape(why)}): resumed from "
-                f"{resume_dir.name} instead; the damaged one is now {set_aside(damaged).name}"
-            )
-    dist_module.barrier(d)
-    optimizer, scheduler, data_gen, task = run.optimizer, run.scheduler, run.data_gen, run.task
-    engine, accuracy = run.engine, run.accuracy
-    if not d.main:
-        output_dir = Path(tempfile.mkdtemp(prefix=f"grpolab-rank{d.rank}-"))
-
-    if changes:
-        listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changes)
-        console.print(f"[yellow]config changed on resume (applied):[/yellow] {escape(listed)}")
-        state.setdefault("config_changes", []).append(
-            {"step": start_step, "changes": {k: [old, new] for k, old, new in changes}}
-        )
-    card = core_module.objective_card(objective_fields(cfg))
-    if is_on_policy(cfg):
-        card += (
-            "\n  (one optimizer step per batch: logp_old is the loss forward's own detached"
-            " log-probs, exact, no extra pass)"
-        )
-    (output_dir / "config.yaml").write_text(to_yaml(cfg))
-    (output_dir / "objective.txt").write_text(card + "\n")
-    console.print("[bold]Resolved config[/bold]\n" + to_yaml(cfg))
-    console.print(card)
-    sharded = dist_module.is_sharded(model)
-    if sharded and not skip_preflight:  # its probes deep-copy the model, which FSDP2 refuses
-        console.print(
-            "preflight: not run under trainer.distributed=fsdp; `grpolab preflight` with this "
-            "config checks the same quantities on one process"
-        )
-    preflight_gate(run, output_dir, console, skip=skip_preflight or sharded)
-    tracker = Tracker(output_dir, t.report_to, to_dict(cfg), console, resume_step=start_step)
-
-    def evaluate(label: str) -> float | None:
-        if t.eval_examples == 0 or not task.eval:
-            return None
-        tic = time.perf_counter()
-        acc = evaluate_accuracy(
-            engine,
-            task.eval[: t.eval_examples],
-            accuracy,
-            t.eval_max_completion_length or cfg.rollout.max_completion_length,
-        )
-        console.print(
-            f"held-out accuracy {label}: [bold]{acc:.1f}%[/bold] "
-            f"({min(t.eval_examples, len(task.eval))} problems, greedy, "
-            f"{time.perf_counter() - tic:.1f} s)"
-        )
-        return acc
-
-    prior_wall = state.get("wall_seconds", 0.0)
-    accuracy_before = state.get("accuracy_before") if resume_dir else evaluate("before GRPO")
-    history = state.get("eval_history", [])
-
-    def save(step: int) -> Path:
-        # Multi-rank: whole tensors keyed by name (collectives on every rank), so the
-        # checkpoint loads at any world size; rank 0 writes it.
-        weights = dist_module.full_state_dict(model) if dist_module.is_sharded(model) else None
-        extra = {
-            "optimizer": (
-                dist_module.full_optimizer_state(model, optimizer)
-                if d.on
-                else optimizer.state_dict()
-            ),
-            "scheduler": scheduler.state_dict(),
-            "data_generator": data_gen.get_state(),
-            "rng": rng_state(),
-        }
-        info = {
-            "skipped_steps": run.skipped_steps,
-            "consecutive_nonfinite": run.consecutive_nonfinite,
-            "accuracy_before": accuracy_before,
-            "eval_history": history,
-            "wall_seconds": prior_wall + time.time() - wall_start,
-            "config_changes": state.get("config_changes", []),
-        }
-        path = run_dir / f"checkpoint-{step}"
-        if d.main:
-            plain = model if weights is None else unsharded_copy(model, weights)
-            path = save_checkpoint(
-                run_dir, step, plain, tokenizer, extra, info, t.save_total_limit, to_yaml(cfg)
-            )
-        dist_module.barrier(d)
-        return path
-
-    limits = limits_for(t, cfg.model.dtype)
-    scheme_a = t.logprob_source == "trainer"
-    step = start_step
-    interrupted = False
-    with progress_bar(console, t.progress) as bar, StopRequests(bar.console) as stop:
-        task_id = bar.add_task("grpo", total=cfg.max_steps, completed=start_step, info="")
-        for step in range(start_step + 1, cfg.max_steps + 1):
-            try:
-                metrics, batch = grpo_step(run, step)
-            except KeyboardInterrupt:  # a second Ctrl-C: the step is incomplete, not saved
-                tracker.close()
-                raise Interrupted(
-                    f"interrupted during step {step}; it was not saved. "
-                    f"{last_checkpoint_note(run_dir)}"
-                ) from None
-            if metrics["skipped"]:
-                run.skipped_steps += 1
-                run.consecutive_nonfinite += 1
-            else:
-                run.consecutive_nonfinite = 0
-            metrics["skipped_steps"] = run.skipped_steps
-            warnings = (
-                []
-                if t.monitor == "off"
-                else check_step(step, metrics | {"nonfinite": batch["what"]}, limits, scheme_a)
-            )
-            if warnings:
-                metrics["warnings"] = warnings
-                for w in warnings:
-                    bar.console.print(f"[yellow]monitor:[/yellow] {escape(w)}")
-            if t.eval_steps and step % t.eval_steps == 0 and step < cfg.max_steps:
-                metrics["eval_accuracy"] = evaluate(f"at step {step}")
-                history.append([step, metrics["eval_accuracy"]])
-            tracker.log(step, metrics)
-            if t.log_completions_steps and (step == 1 or step % t.log_completions_steps == 0):
-                n = t.log_completions_count
-                tracker.log_completions(step, sample_rows(batch, n))
-            line = tracker.console_line(step, cfg.max_steps, metrics)
-            bar.update(task_id, completed=step, info=f"reward {metrics['reward/mean']:.3f}")
-            if step == start_step + 1 or step % 10 == 0 or metrics["skipped"]:
-                bar.console.print(line)
-            if warnings and t.monitor == "stop":
-                path = save(step)
-                tracker.close()
-                raise MonitorStop(
-                    f"stopped at step {step} (trainer.monitor=stop): {warnings[0]}; "
-                    f"checkpoint {path}"
-                )
-            if run.consecutive_nonfinite >= t.max_consecutive_nonfinite:
-                path = save(step)
-                capsule = output_dir / "nonfinite-capsule.pt"
-                if batch["logp_old"] is None:  # on-policy: the weights are still the sampler's
-                    batch["logp_old"] = batched_logprobs(
-                        run.core,
-                        model,
-                        batch["input_ids"].to(device),
-                        batch["attention_mask"].to(device),
-                        batch["completion_mask"].to(device),
-                        cfg.batch_size // t.gradient_accumulation_steps,
-                        cfg.rollout.temperature,
-                    ).cpu()
-                torch.save(
-                    {**batch, "rng": rng_state(), "data_generator": data_gen.get_state()}, capsule
-                )
-                tracker.close()
-                raise NonFiniteError(
-                    f"stopped at step {step}: {run.consecutive_nonfinite} consecutive steps with "
-                    f"a non-finite value, first {batch['what']}; weights unchanged since the "
-                    f"last good step, saved to {path}; replay capsule {capsule}"
-                )
-            if dist_module.any_rank(stop.requested, d):  # Ctrl-C / SIGTERM: stop here
-                interrupted = True
-                break
-            if t.save_steps and step % t.save_steps == 0 and step < cfg.max_steps:
-                save(step)
-
-    if interrupted:
-        path = save(step)
-        tracker.close()
-        raise Interrupted(
-            f"stopped after step {step} ({stop.signal_name}); checkpoint {path}; continue with "
-            f"`grpolab train ... output_dir={run_dir} --resume`"
-        )
-    checkpoint = (
-        save(cfg.max_steps) if cfg.max_steps > start_step or resume_dir is None else resume_dir
-    )
-    accuracy_after = evaluate("after GRPO")
-    tracker.close()
-    summary = {
-        "accuracy_before": accuracy_before,
-        "accuracy_after": accuracy_after,
-        "accuracy_gain": (
-            None
-            if accuracy_before is None or accuracy_after is None
-            else accuracy_after - accuracy_before
-        ),
-        "steps": step,
-        "skipped_steps": run.skipped_steps,
-        "eval_history": history,
-        "wall_seconds": prior_wall + time.time() - wall_start,
-        "checkpoint": str(checkpoint),
-        "eval_examples": min(t.eval_examples, len(task.eval)),
-        "config_changes": state.get("config_changes", []),
-    }
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    close_engine = getattr(run.engine, "close", None)
-    if callable(close_engine):  # vLLM tears its process groups down: before the trainer's
-        close_engine()
-    if d.on:
-        dist_module.shutdown()
-    if accuracy_before is not None and accuracy_after is not None:
-        console.print(
-            f"[bold]held-out accuracy: {accuracy_before:.1f}% before GRPO -> "
-            f"{accuracy_after:.1f}% after {step} steps "
-            f"({accuracy_after - accuracy_before:+.1f} points)[/bold] in "
-            f"{summary['wall_seconds']:.0f} s; run directory {output_dir}"
-        )
-    return summary
-
-
-def unsharded_copy(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A plain transformers model holding `weights` (a sharded model's full state dict)."""
-    plain = transformers.AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
-    plain.load_state_dict(weights)
-    plain.generation_config = model.generation_config
-    return plain
-
-
-def sample_rows(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    rows = []
-    G = max(1, len(batch["prompts"]) // max(1, n))  # spread over groups
-    for i in range(0, min(n * G, len(batch["prompts"])), G):
-        rows.append(
-            {
-                "prompt": batch["prompts"][i],
-                "completion": batch["completions"][i],
-                "answer": batch["answers"][i],
-                "reward": float(batch["rewards"][i]),
-                "advantage": float(batch["advantages"][i]),
-            }
-        )
-    return rows
+# --- grpolab eval ------------------------------------------------------------------------------
 
 
 def run_eval(
@@ -1111,8 +421,7 @@ def run_eval(
     console = console or wide_console()
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
-    device = resolve_device(cfg.model.device)
-    model, tokenizer = load_start_model(cfg, device)
+    model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
     task = load_task(cfg.task)
     held_out = task.eval[:examples] if examples else task.eval
     if not held_out:

@@ -10,7 +10,8 @@ from collections.abc import Callable
 import torch
 
 from grpolab import core
-from grpolab.checks import CheckResult, CoreImpl
+from grpolab.checks import CheckResult
+from grpolab.core import CoreFunctions
 
 # Within a goal, the check whose hint to give when no fingerprint matches: the most specific
 # failing one first.
@@ -50,7 +51,7 @@ def _advantages(r: torch.Tensor, unbiased: bool = False) -> torch.Tensor:
     return torch.where(std > 1e-4, adv, torch.zeros_like(adv))
 
 
-def _advantage_bug(impl: CoreImpl) -> str | None:
+def _advantage_bug(impl: CoreFunctions) -> str | None:
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1, 1, 0, 1, 0.2, 0.9, 0.4, 0.0, 0, 0, 1, 1])
     got = impl.group_advantages(rewards, 4)
     if _close(got, _advantages(rewards.view(4, -1).t()).t().reshape(-1)):
@@ -73,7 +74,7 @@ def _surrogate(logp_new, logp_old, adv, lo: float, hi: float, pick=torch.min) ->
     return -pick(ratio * A, ratio.clamp(1 - lo, 1 + hi) * A)
 
 
-def _policy_bug(impl: CoreImpl) -> str | None:
+def _policy_bug(impl: CoreFunctions) -> str | None:
     logp_new, logp_old, adv, mask = _clip_case()
     per_token, _ = impl.policy_loss(logp_new, logp_old, adv, mask, 0.2, 0.28)
     if _close(per_token, _surrogate(logp_new, logp_old, adv, 0.28, 0.2)):
@@ -85,7 +86,7 @@ def _policy_bug(impl: CoreImpl) -> str | None:
     return None
 
 
-def _loss_bug(impl: CoreImpl) -> str | None:
+def _loss_bug(impl: CoreFunctions) -> str | None:
     logp_new, logp_old, adv, mask = _clip_case()
     loss, _ = impl.grpo_loss(logp_new, logp_old, None, adv * 0.3 + 0.5, mask)
     expected, _ = core.grpo_loss(logp_new, logp_old, None, adv * 0.3 + 0.5, mask)
@@ -95,14 +96,14 @@ def _loss_bug(impl: CoreImpl) -> str | None:
 
 
 # fingerprint -> the goals whose hint it decides
-FINGERPRINTS: tuple[tuple[Callable[[CoreImpl], str | None], tuple[int, ...]], ...] = (
+FINGERPRINTS: tuple[tuple[Callable[[CoreFunctions], str | None], tuple[int, ...]], ...] = (
     (_advantage_bug, (2,)),
     (_policy_bug, (4, 6, 7)),
     (_loss_bug, (6, 7)),
 )
 
 
-def known_bugs(impl: CoreImpl, failing_goals: set[int]) -> dict[int, str]:
+def known_bugs(impl: CoreFunctions, failing_goals: set[int]) -> dict[int, str]:
     """Goal -> the check whose hint names the bug, for the fingerprints that match."""
     found: dict[int, str] = {}
     for fingerprint, goals in FINGERPRINTS:

@@ -297,7 +297,7 @@ HINTS: dict[str, list[dict[str, str]]] = {
         },
         {
             "en": "logp_old comes from the same model, same inputs, same temperature, right "
-            "after sampling (scheme A: an extra forward). ratio = exp(logp_new - logp_old), "
+            "after sampling (an extra forward). ratio = exp(logp_new - logp_old), "
             "and ratio_mean is its mean over the masked tokens.",
             "zh": "logp_old 来自同一个模型、同样的输入和温度，采样后立刻跑一次前向（方案 A）。"
             "ratio = exp(logp_new - logp_old)，ratio_mean 是它在 mask 内的均值。",
@@ -435,7 +435,7 @@ HINTS: dict[str, list[dict[str, str]]] = {
     "norm.aggregation": [
         {
             "en": "On sequences of unequal length your loss is not the declared aggregation "
-            "(the drill declares sequence-mean, the seed's choice).",
+            "(the drill declares sequence-mean, the default).",
             "zh": "在长度不等的序列上，你的 loss 不是声明的归一化方式（drill 声明的是序列平权，"
             "也是 seed 的选择）。",
         },

@@ -15,8 +15,11 @@ from typing import Any
 import torch
 
 from grpolab import checks
-from grpolab.checks import CheckResult, CoreImpl, PreflightBatch, PreflightSettings
+from grpolab.checks import CheckResult, PreflightBatch, PreflightSettings
+from grpolab.core import CORE_FUNCTIONS, CoreFunctions
 from grpolab.drill.diagnose import first_failing, known_bugs
+from grpolab.functions import ImplLoadError, core_functions, impl_error_line, load_impl
+from grpolab.models import eval_mode
 
 # The learner's functions each goal's checks call (directly or through grpo_loss).
 GOAL_FUNCTIONS: dict[int, tuple[str, ...]] = {
@@ -65,7 +68,7 @@ def _is_stub(node: ast.FunctionDef) -> bool:
     return False
 
 
-def written_functions(source: str, impl: CoreImpl) -> Written:
+def written_functions(source: str, impl: CoreFunctions) -> Written:
     """What the learner wrote: a top-level def whose body is more than `raise
     NotImplementedError` (the last def of a name wins, as in Python)."""
     defs: dict[str, ast.FunctionDef] = {}
@@ -73,7 +76,7 @@ def written_functions(source: str, impl: CoreImpl) -> Written:
         if isinstance(node, ast.FunctionDef):
             defs[node.name] = node
     state, lines = {}, {}
-    for name in checks.CORE_FUNCTIONS:
+    for name in CORE_FUNCTIONS:
         if impl.source.get(name) == "grpolab":
             state[name] = "missing"
         elif name in defs and _is_stub(defs[name]):
@@ -138,7 +141,7 @@ def _pair(out: Any, what: str) -> tuple[Any, Any] | str:
 
 
 def probe_contracts(
-    impl: CoreImpl, written: Written, model, batch: PreflightBatch, s: PreflightSettings
+    impl: CoreFunctions, written: Written, model, batch: PreflightBatch, s: PreflightSettings
 ) -> dict[str, str]:
     """Call each written function once on real inputs; map function -> what breaks its
     contract (a wrong shape, NaN, an exception), with the line in the learner's file."""
@@ -150,12 +153,12 @@ def probe_contracts(
     logp_old = -torch.rand(b, T - 1, generator=g) - 0.1
     logp_new = logp_old + 0.3 * torch.randn(b, T - 1, generator=g)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[:b]
-    was_training = model.training
-    model.eval()
 
     def run_sequence_logprobs():
         with torch.no_grad():
-            out, line = call_traced(impl.sequence_logprobs, model, ids, am, cm, s.temperature)
+            out, line = call_traced(
+                impl.sequence_logprobs, model, ids, am, cm, s.objective.temperature
+            )
         pair = _pair(out, "(logp, mask)")
         if isinstance(pair, str):
             return pair, line
@@ -171,7 +174,13 @@ def probe_contracts(
 
     def run_policy_loss():
         out, line = call_traced(
-            impl.policy_loss, logp_new, logp_old, adv, mask, s.eps_low, s.eps_high
+            impl.policy_loss,
+            logp_new,
+            logp_old,
+            adv,
+            mask,
+            s.objective.epsilon,
+            s.objective.epsilon_high,
         )
         pair = _pair(out, "(per_token, clip_frac)")
         if isinstance(pair, str):
@@ -186,13 +195,13 @@ def probe_contracts(
         return _tensor_problem("KL values", out, (b, T - 1)), line
 
     def run_aggregate():
-        out, line = call_traced(impl.aggregate, logp_new, mask, s.loss_agg, T - 1)
+        out, line = call_traced(impl.aggregate, logp_new, mask, s.objective.loss_type, T - 1)
         return _tensor_problem("a value", out, ()), line
 
     def run_grpo_loss():
         out, line = call_traced(
-            impl.grpo_loss, logp_new, logp_old, logp_old, adv, mask, eps_low=s.eps_low,
-            eps_high=s.eps_high, beta=0.04, loss_agg=s.loss_agg, max_completion_length=T - 1,
+            impl.grpo_loss, logp_new, logp_old, logp_old, adv, mask,
+            **s.objective.loss_kwargs() | {"beta": 0.04, "max_completion_length": T - 1},
         )  # fmt: skip
         pair = _pair(out, "(loss, metrics)")
         if isinstance(pair, str):
@@ -216,7 +225,7 @@ def probe_contracts(
         "grpo_loss": run_grpo_loss,
     }
     problems: dict[str, str] = {}
-    try:
+    with eval_mode(model, zero_grad=True):
         for name, probe in probes.items():
             if written.state[name] != "written":
                 continue
@@ -225,15 +234,12 @@ def probe_contracts(
             except NotImplementedError:
                 continue  # it calls a function still to write: that goal is "not yet"
             except Exception as err:
-                line = checks.impl_error_line(err, impl.path) if impl.path else None
+                line = impl_error_line(err, impl.path) if impl.path else None
                 problem = f"raised {type(err).__name__}: {err}"
             if problem:
                 line = line or written.lines.get(name)
                 where = f"{Path(impl.path).name}:{line}: " if line else ""
                 problems[name] = f"{where}{name} {problem}"
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
     return problems
 
 
@@ -328,7 +334,7 @@ def goal_results(
     return goals
 
 
-def load_error_report(path: Path, err: checks.ImplLoadError) -> DrillReport:
+def load_error_report(path: Path, err: ImplLoadError) -> DrillReport:
     goals = {g: GoalResult(g, FAIL, hint_key=f"write.{g}") for g in GOAL_FUNCTIONS}
     message = str(err).replace(str(path), path.name)
     return DrillReport(str(path), goals, load_error=message, load_line=err.line)
@@ -352,6 +358,7 @@ class Workbench:
     batch: PreflightBatch | None = None
     settings: PreflightSettings | None = None
     completions: list[str] = field(default_factory=list)
+    run: Any = None  # the run the batch was sampled by (its config chooses the functions)
 
     def ensure(self) -> None:
         if self.model is not None:
@@ -360,7 +367,7 @@ class Workbench:
 
         from grpolab.config import load_config
         from grpolab.preflight import sample_batch, settings_from_config
-        from grpolab.trainer import load_start_model, make_run, resolve_device
+        from grpolab.setup import build_run, load_start_model, resolve_device
 
         if self.on_load:
             self.on_load()
@@ -369,23 +376,29 @@ class Workbench:
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
-        run = make_run(cfg, model, tokenizer)
-        batch, completions = sample_batch(run, cfg)
+        self.run = build_run(cfg, model, tokenizer)
+        batch, completions = sample_batch(self.run)
         self.model, self.tokenizer, self.batch = model, tokenizer, batch
         self.completions = completions
         self.settings = settings_from_config(cfg)
+
+    def functions(self, impl: CoreFunctions) -> CoreFunctions:
+        """The learner's functions where written, the trainer's (as configured) elsewhere."""
+        t = self.run.cfg.trainer
+        return core_functions(t.logprobs, t.shared_prefix, impl)
 
     def check(self, path: str | Path) -> DrillReport:
         """Every check on the learner's file; never raises for anything in the learner's code."""
         path = Path(path)
         try:
-            impl = checks.load_impl(path)
-        except checks.ImplLoadError as err:
+            impl = load_impl(path)
+        except ImplLoadError as err:
             return load_error_report(path, err)
         written = written_functions(path.read_text(encoding="utf-8"), impl)
         if all(v != "written" for v in written.state.values()):
             return all_todo_report(path, written)  # nothing to run: no model needed yet
         self.ensure()
+        impl = self.functions(impl)
         problems = probe_contracts(impl, written, self.model, self.batch, self.settings)
         torch.manual_seed(self.settings.seed)
         results = checks.run_checks(self.model, self.batch, self.settings, impl)

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from grpolab import checks
 from grpolab.drill import hints as hints_mod
 from grpolab.drill import render
 from grpolab.drill.runner import GOAL_FUNCTIONS, PASS, DrillReport, Workbench, written_functions
 from grpolab.drill.show import show_goal
 from grpolab.drill.state import STATE_FILE, DrillState, load_state, save_state
 from grpolab.drill.texts import msg
+from grpolab.functions import ImplLoadError, impl_error_line, load_impl
 
 IMPL_FILE = "my_grpo.py"
 RUN_DIR = "runs/drill"
@@ -143,8 +143,8 @@ class Session:
             self.say(msg("show_needs_goal", self.lang))
             return
         try:
-            impl = checks.load_impl(self.impl_path)
-        except checks.ImplLoadError as err:
+            impl = load_impl(self.impl_path)
+        except ImplLoadError as err:
             error = render.short_error(str(err), self.impl_path)
             self.say(msg("load_error", self.lang, error=error))
             self.say(*render.source_excerpt(self.impl_path, err.line))
@@ -156,6 +156,7 @@ class Session:
             return
         self.bench.ensure()
         b = self.bench
+        impl = b.functions(impl)
         self.say(*show_goal(goal, impl, b.model, b.tokenizer, b.batch, b.settings, self.lang))
 
     def train(self, overrides: list[str]) -> None:
@@ -230,7 +231,7 @@ class Session:
         return True
 
     def error_lines(self, err: BaseException) -> list[str]:
-        line = checks.impl_error_line(err, self.impl_path)
+        line = impl_error_line(err, self.impl_path)
         if line is not None:
             error = f"{self.impl_path.name}:{line}: {type(err).__name__}: {err}"
             return [

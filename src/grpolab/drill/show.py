@@ -1,5 +1,5 @@
 """`show N`: goal N's intermediate quantity computed by the learner's code on the real batch,
-printed the way the seed prints it."""
+printed the way the course prints it."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import torch
 from grpolab import core
 from grpolab.checks import (
     UNEQUAL_LENGTHS,
-    CoreImpl,
     PreflightBatch,
     PreflightSettings,
     unequal_lengths_batch,
 )
+from grpolab.core import CoreFunctions
 from grpolab.drill.texts import msg, show_text
+from grpolab.models import eval_mode
 
 
 def _fmt(x: float) -> str:
@@ -26,13 +27,15 @@ def _row(values, width: int = 8) -> str:
     return " ".join(f"{float(v):>{width}.4f}" for v in values)
 
 
-def show_logprobs(impl: CoreImpl, model, tokenizer, batch: PreflightBatch, s, lang) -> list[str]:
+def show_logprobs(
+    impl: CoreFunctions, model, tokenizer, batch: PreflightBatch, s, lang
+) -> list[str]:
     row = int(batch.completion_mask.sum(1).argmax())  # the longest completion
     ids, am, cm = (
         t[row : row + 1] for t in (batch.input_ids, batch.attention_mask, batch.completion_mask)
     )
     with torch.no_grad():
-        logp, mask = impl.sequence_logprobs(model, ids, am, cm, s.temperature)
+        logp, mask = impl.sequence_logprobs(model, ids, am, cm, s.objective.temperature)
     shapes = f"logp {list(logp.shape)}, input_ids {list(ids.shape)}"
     logp, mask = logp[0], mask[0]
     lines = [
@@ -49,7 +52,7 @@ def show_logprobs(impl: CoreImpl, model, tokenizer, batch: PreflightBatch, s, la
     return lines
 
 
-def show_advantages(impl: CoreImpl, batch: PreflightBatch, lang: str) -> list[str]:
+def show_advantages(impl: CoreFunctions, batch: PreflightBatch, lang: str) -> list[str]:
     G = batch.group_size
     adv = impl.group_advantages(batch.rewards, G)
     r, a = batch.rewards.view(-1, G), adv.detach().view(-1, G)
@@ -64,12 +67,12 @@ def show_advantages(impl: CoreImpl, batch: PreflightBatch, lang: str) -> list[st
     return lines
 
 
-def show_ratio(impl: CoreImpl, model, batch: PreflightBatch, s, lang: str) -> list[str]:
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
+def show_ratio(impl: CoreFunctions, model, batch: PreflightBatch, s, lang: str) -> list[str]:
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature)
     model.train()
     try:
         with torch.no_grad():
-            logp_old, _ = impl.sequence_logprobs(model, *args)  # scheme A: an extra forward
+            logp_old, _ = impl.sequence_logprobs(model, *args)  # an extra forward
             logp_new, mask = impl.sequence_logprobs(model, *args)
     finally:
         model.eval()
@@ -77,8 +80,7 @@ def show_ratio(impl: CoreImpl, model, batch: PreflightBatch, s, lang: str) -> li
     ratio = torch.exp(logp_new - logp_old)[valid]
     adv = core.group_advantages(batch.rewards, batch.group_size)
     _, metrics = impl.grpo_loss(
-        logp_new, logp_old, None, adv, mask, eps_low=s.eps_low, eps_high=s.eps_high,
-        loss_agg=s.loss_agg, max_completion_length=s.max_completion_length,
+        logp_new, logp_old, None, adv, mask, **s.objective.loss_kwargs() | {"beta": 0.0},
     )  # fmt: skip
     return [
         show_text("3_head", lang),
@@ -91,19 +93,19 @@ def show_ratio(impl: CoreImpl, model, batch: PreflightBatch, s, lang: str) -> li
     ]
 
 
-def show_clip(impl: CoreImpl, s: PreflightSettings, lang: str) -> list[str]:
-    lo, hi = 1 - s.eps_low, 1 + s.eps_high
+def show_clip(impl: CoreFunctions, s: PreflightSettings, lang: str) -> list[str]:
+    lo, hi = 1 - s.objective.epsilon, 1 + s.objective.epsilon_high
     ratios = torch.tensor([[0.5, 0.9, 1.0, 1.1, 1.25, 1.5]] * 2)
     advantages = torch.tensor([1.0, -1.0])
     logp_old = torch.full_like(ratios, -1.0)
     logp_new = logp_old + torch.log(ratios)
     mask = torch.ones_like(ratios)
     per_token, clip_frac = impl.policy_loss(
-        logp_new, logp_old, advantages, mask, s.eps_low, s.eps_high
+        logp_new, logp_old, advantages, mask, s.objective.epsilon, s.objective.epsilon_high
     )
     clipped = ratios.clamp(lo, hi)
     lines = [
-        show_text("4_head", lang, lo=s.eps_low, hi=s.eps_high, a=lo, b=hi),
+        show_text("4_head", lang, lo=s.objective.epsilon, hi=s.objective.epsilon_high, a=lo, b=hi),
         f"{'A':>5} {'ratio':>7} {'clipped':>8} {'ratio*A':>8} {'clip*A':>8} "
         f"{'per_token':>10} {'expected':>9}",
     ]
@@ -120,11 +122,11 @@ def show_clip(impl: CoreImpl, s: PreflightSettings, lang: str) -> list[str]:
     return lines
 
 
-def show_kl(impl: CoreImpl, model, batch: PreflightBatch, s, lang: str) -> list[str]:
+def show_kl(impl: CoreFunctions, model, batch: PreflightBatch, s, lang: str) -> list[str]:
     g = torch.Generator().manual_seed(s.seed)
     rows = slice(0, min(8, batch.input_ids.shape[0]))
     with torch.no_grad():
-        positions = (batch.attention_mask[rows].long().cumsum(-1) - 1).clamp(min=0)
+        positions = core.position_ids(batch.attention_mask[rows])
         logits = model(
             input_ids=batch.input_ids[rows],
             attention_mask=batch.attention_mask[rows],
@@ -151,7 +153,7 @@ def show_kl(impl: CoreImpl, model, batch: PreflightBatch, s, lang: str) -> list[
     ]
 
 
-def show_aggregation(impl: CoreImpl, s: PreflightSettings, lang: str) -> list[str]:
+def show_aggregation(impl: CoreFunctions, s: PreflightSettings, lang: str) -> list[str]:
     per_token, mask = unequal_lengths_batch(torch.Generator().manual_seed(s.seed))
     lengths = list(UNEQUAL_LENGTHS)
     L = 6
@@ -163,12 +165,12 @@ def show_aggregation(impl: CoreImpl, s: PreflightSettings, lang: str) -> list[st
         yours = float(impl.aggregate(per_token, mask, mode, L))
         expected = float(core.aggregate(per_token, mask, mode, L))
         lines.append(f"{mode:<10} {yours:>9.4f} {expected:>9.4f}")
-    lines.append(show_text("6_note", lang, agg=s.loss_agg))
+    lines.append(show_text("6_note", lang, agg=s.objective.loss_type))
     return lines
 
 
-def show_loss(impl: CoreImpl, model, batch: PreflightBatch, s, lang: str) -> list[str]:
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
+def show_loss(impl: CoreFunctions, model, batch: PreflightBatch, s, lang: str) -> list[str]:
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature)
     g = torch.Generator().manual_seed(s.seed)
     with torch.no_grad():
         logp, mask = impl.sequence_logprobs(model, *args)
@@ -176,8 +178,7 @@ def show_loss(impl: CoreImpl, model, batch: PreflightBatch, s, lang: str) -> lis
         logp_old = logp + 0.2 * torch.randn(logp.shape, generator=g)  # a policy that moved
         logp_ref = logp + 0.1 * torch.randn(logp.shape, generator=g)
         loss, metrics = impl.grpo_loss(
-            logp, logp_old, logp_ref, adv, mask, eps_low=s.eps_low, eps_high=s.eps_high,
-            beta=0.04, loss_agg=s.loss_agg, max_completion_length=s.max_completion_length,
+            logp, logp_old, logp_ref, adv, mask, **s.objective.loss_kwargs() | {"beta": 0.04},
         )  # fmt: skip
     lines = [
         show_text("7_head", lang),
@@ -187,7 +188,7 @@ def show_loss(impl: CoreImpl, model, batch: PreflightBatch, s, lang: str) -> lis
     return lines
 
 
-def show_goal(goal: int, impl: CoreImpl, model, tokenizer, batch, s, lang: str) -> list[str]:
+def show_goal(goal: int, impl: CoreFunctions, model, tokenizer, batch, s, lang: str) -> list[str]:
     shows: dict[int, Callable[[], list[str]]] = {
         1: lambda: show_logprobs(impl, model, tokenizer, batch, s, lang),
         2: lambda: show_advantages(impl, batch, lang),
@@ -197,10 +198,5 @@ def show_goal(goal: int, impl: CoreImpl, model, tokenizer, batch, s, lang: str) 
         6: lambda: show_aggregation(impl, s, lang),
         7: lambda: show_loss(impl, model, batch, s, lang),
     }
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model, zero_grad=True):
         return shows[goal]()
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-MY_GRPO = '''"""My GRPO core: the six functions of the seed, written by hand.
+MY_GRPO = '''"""My GRPO core: the six functions of GRPO, written by hand.
 
 Shapes: B sequences (= n_prompts * G, the G samples of one prompt contiguous), T tokens per
 sequence (left-padded prompt + completion + right padding). Log-prob tensors are [B, T-1],
@@ -66,7 +66,7 @@ def kl_k3(logp_new, logp_ref):
 def aggregate(per_token, mask, mode, max_completion_length=None):
     """Goal 6. Reduce per-token values [B, T] to a scalar over the masked tokens only.
 
-    mode "sequence": mean over each sequence's tokens, then over sequences (the seed's choice);
+    mode "sequence": mean over each sequence's tokens, then over sequences (the default);
     mode "token": sum over all masked tokens / number of masked tokens;
     mode "constant": sum over all masked tokens / (B * max_completion_length).
     Returns a scalar tensor.

@@ -1,4 +1,4 @@
-"""Every text the drill prints, in English and in Chinese (the seed's wording and terms)."""
+"""Every text the drill prints, in English and in Chinese (the course's wording and terms)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 LANGS = ("en", "zh")
 
-# The seven goals (SPEC S8); zh follows the seed's "这节课的落点".
+# The seven goals, one per piece of the algorithm; zh follows the course's "这节课的落点".
 GOALS: dict[int, dict[str, str]] = {
     1: {
         "en": "log-probs: logits[:, :-1] against input_ids[:, 1:], float32 before "
@@ -20,7 +20,7 @@ GOALS: dict[int, dict[str, str]] = {
         "每组之和接近 0",
     },
     3: {
-        "en": "ratio: logp_old from an extra forward (scheme A), exactly 1 before the first update",
+        "en": "ratio: logp_old from an extra forward, exactly 1 before the first update",
         "zh": "ratio：logp_old 建议多跑一次前向拿（方案 A），初值必须恒为 1",
     },
     4: {
@@ -233,7 +233,7 @@ SHOW: dict[str, dict[str, str]] = {
     },
     "2_note": {"en": "# every row should be ~ 0", "zh": "# 每一行都应该接近 0"},
     "3_head": {
-        "en": "logp_old: an extra forward right after sampling (scheme A); logp_new: the first "
+        "en": "logp_old: an extra forward right after sampling; logp_new: the first "
         "update's forward",
         "zh": "logp_old：采样后立刻多跑一次前向（方案 A）；logp_new：第一次更新时的前向",
     },

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +41,20 @@ class Rollout:
     @property
     def batch_size(self) -> int:
         return self.input_ids.shape[0]
+
+    def rows(self, rows: slice) -> Rollout:
+        """The rows `rows` (whole groups), every per-sample field cut alike."""
+        return dataclasses.replace(
+            self,
+            input_ids=self.input_ids[rows],
+            attention_mask=self.attention_mask[rows],
+            completion_mask=self.completion_mask[rows],
+            group_ids=self.group_ids[rows] - self.group_ids[rows][0],
+            prompts=self.prompts[rows],
+            completions=self.completions[rows],
+            truncated=self.truncated[rows],
+            engine_logprobs=None if self.engine_logprobs is None else self.engine_logprobs[rows],
+        )
 
 
 class RolloutEngine(Protocol):

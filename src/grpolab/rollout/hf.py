@@ -21,7 +21,8 @@ import weakref
 
 import torch
 
-from grpolab.models import base_model, plain_kv_cache
+from grpolab.core import position_ids
+from grpolab.models import base_model, eval_mode, plain_kv_cache
 from grpolab.rollout.base import Rollout, SamplingParams
 from grpolab.rollout.common import (
     assemble_rollout,
@@ -70,9 +71,7 @@ class HFEngine:
             input_ids[i, P - len(ids) :] = torch.tensor(ids)
             attention_mask[i, P - len(ids) :] = 1
 
-        was_training = self.model.training
-        try:
-            self.model.eval()
+        with eval_mode(self.model):
             completions, logprobs = decode(
                 self.model,
                 input_ids.to(device),
@@ -83,8 +82,6 @@ class HFEngine:
                 self.pad_id,
                 shared_prefill=self.shared_prefill,
             )
-        finally:
-            self.model.train(was_training)
         return assemble_rollout(
             prompts,
             prompt_ids,
@@ -157,7 +154,7 @@ def decode(
     last_only = {"logits_to_keep": 1} if keep_logits else {}
 
     mask = attention_mask.repeat_interleave(G, dim=0)  # [B, P]
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P]
+    positions = position_ids(mask)  # [B, P]
     cache = None
     shareable = model not in _CACHE_NOT_PLAIN
     if shared_prefill and shareable and G > 1 and keep_logits and not sharded:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from grpolab.models import base_model
+from grpolab.models import base_model, eval_mode
 from grpolab.rollout.base import Rollout, RolloutConfig, SamplingParams
 from grpolab.rollout.common import (
     assemble_rollout,
@@ -289,12 +289,8 @@ class VLLMEngine:
         device = next(model.parameters()).device
         input_ids = torch.tensor([ids], device=device)  # [1, T]
         ones = torch.ones_like(input_ids)
-        was_training = model.training
-        model.eval()
-        try:
+        with eval_mode(model):
             logp, _ = core.sequence_logprobs(model, input_ids, ones, ones)  # [1, T-1]
-        finally:
-            model.train(was_training)
         engine = self.engine_canary_logprobs(ids)
         gap = float((engine - logp[0].float().cpu()).abs().max())
         self.last_sync_gap = gap

@@ -42,7 +42,7 @@ def load_file_task(cfg: TaskConfig) -> Task:
         ][: cfg.num_eval or None]
         train = examples
     else:
-        # Hold out num_eval rows (at most half the file), chosen by the seed.
+        # Hold out num_eval rows (at most half the file), chosen by task.seed.
         order = list(range(len(examples)))
         random.Random(cfg.seed).shuffle(order)
         n_eval = min(cfg.num_eval, len(examples) // 2)

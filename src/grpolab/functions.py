@@ -1,0 +1,99 @@
+"""Which core functions run: chosen here, once, for the trainer, the preflight, `--impl` and
+the drill alike.
+
+grpolab's own table is `grpolab.core` with the log-probs of `grpolab.logprobs` (the fused
+path unless `logprobs="naive"`); a user's file (`--impl`, the drill's `my_grpo.py`) replaces
+any of the six functions it defines, and the rest stay grpolab's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import traceback
+from pathlib import Path
+
+from grpolab.core import CORE_FUNCTIONS, CoreFunctions
+from grpolab.logprobs import token_logprobs
+
+# "core" is the old name of the naive path: the same code.
+LOGPROB_PATHS = ("fused", "naive", "core")
+
+
+def core_functions(
+    logprobs: str = "fused", shared_prefix: bool = True, user: CoreFunctions | None = None
+) -> CoreFunctions:
+    """The table a run uses: `user`'s functions where it has its own, else grpolab's, with
+    `logprobs` choosing grpolab's log-prob path ("fused": the chunked lm-head, each group's
+    prompt run once when `shared_prefix`; "naive": the full-logits `core.sequence_logprobs`)."""
+    if logprobs not in LOGPROB_PATHS:
+        raise ValueError(f"trainer.logprobs={logprobs!r} is not one of {list(LOGPROB_PATHS)}")
+    table = CoreFunctions()
+    if logprobs == "fused":
+
+        def sequence_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0):
+            return token_logprobs(
+                model,
+                input_ids,
+                attention_mask,
+                completion_mask,
+                temperature,
+                impl="fused",
+                shared_prefix=shared_prefix,
+            )
+
+        table.sequence_logprobs = sequence_logprobs
+        table.source["sequence_logprobs"] = "grpolab.logprobs (fused)"
+    if user is not None:
+        for name, source in user.source.items():
+            if source != "grpolab":
+                setattr(table, name, getattr(user, name))
+                table.source[name] = source
+        table.path = user.path
+    return table
+
+
+class ImplLoadError(Exception):
+    """The user's implementation file could not be loaded (missing, syntax error, raises)."""
+
+    def __init__(self, message: str, line: int | None = None):
+        super().__init__(message)
+        self.line = line
+
+
+def load_impl(path: str | Path) -> CoreFunctions:
+    """The core functions a Python file defines (the others are grpolab.core's)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ImplLoadError(f"--impl {str(path)!r}: no such file")
+    name = f"grpolab_impl_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as err:
+        raise ImplLoadError(
+            f"{path}:{err.lineno}: syntax error: {err.msg}", line=err.lineno
+        ) from None
+    except Exception as err:
+        line = impl_error_line(err, path)
+        raise ImplLoadError(
+            f"{path}:{line}: {type(err).__name__} while loading: {err}", line=line
+        ) from None
+    impl = CoreFunctions(path=str(path))
+    for fn in CORE_FUNCTIONS:
+        if callable(getattr(module, fn, None)):
+            setattr(impl, fn, getattr(module, fn))
+            impl.source[fn] = str(path)
+    sys.modules.pop(name, None)
+    return impl
+
+
+def impl_error_line(err: BaseException, path: str | Path) -> int | None:
+    """The deepest line of `path` in the traceback of `err` (where the user's code failed)."""
+    target = str(Path(path).resolve())
+    line = None
+    for frame in traceback.extract_tb(err.__traceback__):
+        if str(Path(frame.filename).resolve()) == target:
+            line = frame.lineno
+    return line

@@ -1,0 +1,301 @@
+"""Building a run: the model (LoRA, reference copy, checkpointing, compile, data-parallel
+wrapping), the optimizer and its schedule, the rollout engine, the task, the rewards, the
+device, and the batch plan. Everything a step needs, in one `Run`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpolab import dist as dist_module
+from grpolab import seeds
+from grpolab.config import Config, validate_world
+from grpolab.core import CoreFunctions
+from grpolab.dist import Dist
+from grpolab.evaluate import accuracy_rewards
+from grpolab.functions import core_functions
+from grpolab.models import load_policy
+from grpolab.rewards import Rewards, load_rewards
+from grpolab.rollout import build_engine
+from grpolab.tasks import Task, load_task
+
+DEMO_MODEL_DIR = Path(__file__).parent / "data" / "demo-warmup"
+
+
+# --- The batch plan ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one step's batch is cut, on this rank: `rows` sampled sequences, one optimizer
+    step per `minibatch` rows, each minibatch accumulated over forwards of `micro` rows."""
+
+    rows: int  # this rank's sequences per step: prompts_per_step / world * G
+    minibatch: int  # this rank's share of trainer.mini_batch_size (all rows when unset)
+    micro: int  # minibatch / gradient_accumulation_steps
+    optimizer_steps: int  # per step: num_iterations * rows / minibatch
+
+    @classmethod
+    def of(cls, cfg: Config, world: int = 1) -> BatchPlan:
+        t = cfg.trainer
+        rows = cfg.batch_size // world
+        minibatch = (t.mini_batch_size or cfg.batch_size) // world
+        return cls(
+            rows=rows,
+            minibatch=minibatch,
+            micro=minibatch // t.gradient_accumulation_steps,
+            optimizer_steps=t.num_iterations * (rows // minibatch),
+        )
+
+
+def old_logprobs_from_loss_forward(cfg: Config, plan: BatchPlan) -> bool:
+    """One optimizer step per batch with the trainer's own log-probs: the policy cannot change
+    before the loss forward, so that forward's detached log-probs are logp_old exactly, and
+    no extra forward is needed."""
+    return plan.optimizer_steps == 1 and cfg.objective.on_policy
+
+
+# --- The run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """Everything the loop holds."""
+
+    cfg: Config
+    model: torch.nn.Module
+    tokenizer: Any
+    ref_model: torch.nn.Module | None  # beta > 0 without LoRA: a frozen copy of the start
+    engine: Any
+    task: Task
+    rewards: Rewards  # the training reward functions
+    accuracy: Rewards  # the accuracy reward alone, for the accuracy metric and evaluation
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    prompt_generator: torch.Generator  # draws each step's prompts; saved in checkpoints
+    functions: CoreFunctions
+    device: torch.device
+    plan: BatchPlan
+    dist: Dist = field(default_factory=Dist)
+    reducer: dist_module.GradientReducer | None = None  # ddp: sums gradients during backward
+    skipped_steps: int = 0  # steps whose update a non-finite value stopped
+    consecutive_nonfinite: int = 0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_start_model(cfg: Config, device: torch.device):
+    """The model training starts from: a local directory / hub id, or the shipped demo model."""
+    source = cfg.model.name_or_path
+    if source is None:
+        if not (DEMO_MODEL_DIR / "config.json").is_file():
+            raise FileNotFoundError(
+                f"the built-in demo model is missing at {DEMO_MODEL_DIR}; regenerate it with "
+                "`grpolab warmup`"
+            )
+        source = str(DEMO_MODEL_DIR)
+    elif not Path(source).expanduser().exists() and (
+        source.startswith((".", "/", "~")) or source.count("/") > 1  # a hub id is "org/name"
+    ):
+        raise FileNotFoundError(f"model.name_or_path={source!r} does not exist")
+    return load_policy(source, dtype=cfg.model.dtype, device=device)
+
+
+def build_run(
+    cfg: Config,
+    model: torch.nn.Module,
+    tokenizer,
+    device: torch.device | None = None,
+    functions: CoreFunctions | None = None,
+    dist: Dist | None = None,
+) -> Run:
+    """Task, rewards, engine, reference copy, optimizer and LR schedule around `model`;
+    under data parallel the model is sharded (fsdp) or made equal on every rank (ddp) first.
+    `functions`: the core functions to train with (default: grpolab's, as configured)."""
+    t = cfg.trainer
+    functions = functions or core_functions(t.logprobs, t.shared_prefix)
+    check_functions_support(functions, cfg)
+    d = dist or Dist()
+    if d.on:
+        validate_world(cfg, d.world)
+    model, ref_model = prepare_model(model, cfg, d)
+    plan = BatchPlan.of(cfg, d.world)
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    optimizer = torch.optim.AdamW(
+        trained,
+        lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2),
+        weight_decay=t.weight_decay,
+        fused=fused_adamw_ok(trained) or None,
+    )
+    total_updates = cfg.max_steps * plan.optimizer_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(t.lr_scheduler, t.warmup_steps, total_updates)
+    )
+    engine = task_engine(cfg, model, tokenizer)
+    return Run(
+        cfg=cfg,
+        model=model,
+        tokenizer=tokenizer,
+        ref_model=ref_model,
+        engine=engine,
+        task=load_task(cfg.task),
+        rewards=load_rewards(
+            cfg.rewards, task=cfg.task, max_completion_length=cfg.rollout.max_completion_length
+        ),
+        accuracy=accuracy_rewards(cfg.rewards, cfg.task),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        prompt_generator=seeds.prompt_order(cfg.seed),
+        functions=functions,
+        device=device or next(model.parameters()).device,
+        plan=plan,
+        dist=d,
+        reducer=(
+            dist_module.GradientReducer(trained, t.ddp_bucket_mb)
+            if d.on and d.mode == "ddp"
+            else None
+        ),
+    )
+
+
+def prepare_model(
+    model: torch.nn.Module, cfg: Config, d: Dist
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """(the policy to train, the reference policy's own copy or None): LoRA adapters, a
+    frozen reference copy when beta > 0 (LoRA needs none: its base is the reference),
+    gradient checkpointing, compiled layer parts, then FSDP2 shards or DDP-equal replicas."""
+    t = cfg.trainer
+    ref_model = None
+    if t.lora_r > 0:
+        model = wrap_lora(model, cfg)
+    elif t.beta > 0:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if t.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if t.torch_compile:  # before sharding: fully_shard wraps the compiled layers
+        compile_decoder_layers(model)
+    if d.on and d.mode == "fsdp":
+        model = dist_module.shard(model)
+        if ref_model is not None:
+            ref_model = dist_module.shard(ref_model)
+    elif d.on:
+        dist_module.broadcast_parameters(model)
+    return model, ref_model
+
+
+def task_engine(cfg: Config, model: torch.nn.Module, tokenizer, model_path: str | None = None):
+    """The configured rollout engine, with the task's chat template and system prompt.
+    model_path: where a separate engine (vLLM) may load the weights from; None: the
+    trainer's model is saved for it."""
+    return build_engine(
+        cfg.rollout,
+        model,
+        tokenizer,
+        chat_template=cfg.task.chat_template,
+        system_prompt=cfg.task.system_prompt,
+        model_path=model_path,
+    )
+
+
+def check_functions_support(functions: CoreFunctions, cfg: Config) -> None:
+    """Options that need more than the six functions' basic signatures from a user's file."""
+    if cfg.trainer.tis_cap is not None:
+        params = inspect.signature(functions.grpo_loss).parameters
+        if "token_weights" not in params:
+            source = functions.source.get("grpo_loss", "grpolab")
+            raise ValueError(
+                f"trainer.tis_cap={cfg.trainer.tis_cap} needs a grpo_loss that takes "
+                f"token_weights; the one from {source} does not"
+            )
+
+
+# --- Optimizer, schedule, model options ------------------------------------------------------
+
+
+def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
+    """Multiplier of the base LR after `s` optimizer steps: linear warm-up, then constant or
+    cosine to 0 at `total`."""
+
+    def multiplier(s: int) -> float:
+        if warmup and s < warmup:
+            return (s + 1) / (warmup + 1)
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (s - warmup) / max(1, total - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+def fused_adamw_ok(params: list[torch.Tensor]) -> bool:
+    """AdamW's fused kernel (one kernel per tensor, ~2x faster steps on small models) takes
+    plain floating-point tensors on CPU or CUDA; sharded DTensors keep the default."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(
+        not isinstance(p, DTensor) and p.is_floating_point() and p.device.type in ("cpu", "cuda")
+        for p in params
+    )
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """torch.compile, in place, each part of every decoder layer that maps one tensor to one
+    tensor (the MLP, the norms): their elementwise chains fuse into a few kernels, and the
+    same code in every layer compiles to one graph. Attention stays eager: it takes the KV
+    cache and its layer index, which would compile a graph per layer. Returns the count."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    parts = []
+    for layer in model.modules():
+        if not isinstance(layer, GradientCheckpointingLayer):
+            continue
+        for child in layer.children():
+            params = inspect.signature(child.forward).parameters.values()
+            required = [p for p in params if p.default is inspect.Parameter.empty]
+            if len(required) == 1 and required[0].kind != inspect.Parameter.VAR_POSITIONAL:
+                parts.append(child)
+    if not parts:
+        raise ValueError(
+            f"trainer.torch_compile=true: {type(model).__name__} has no transformers decoder "
+            "layer parts (GradientCheckpointingLayer children taking one tensor) to compile"
+        )
+    for part in parts:
+        part.compile(dynamic=True)
+    return len(parts)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """A peft model (checked without importing peft, an optional dependency)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def wrap_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+    """`model` with LoRA adapters on trainer.lora_target_modules; only they are trainable."""
+    t = cfg.trainer
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise ImportError(
+            f"trainer.lora_r={t.lora_r} needs peft: pip install 'grpolab[lora]'"
+        ) from e
+    lora = LoraConfig(
+        r=t.lora_r,
+        lora_alpha=t.lora_alpha,
+        lora_dropout=t.lora_dropout,
+        target_modules=list(t.lora_target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
