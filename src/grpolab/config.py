@@ -8,13 +8,14 @@ Every error names the key, the value and what was expected, on one line.
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from grpolab.core import (
     ADVANTAGE_SCALES,
@@ -165,126 +166,121 @@ class Config:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML file at `path` <- `key.sub=value` overrides; then validated."""
-    tree: dict[str, Any] = {}
+    """Defaults (the demo's) <- the YAML file at `path` <- `section.key=value` overrides,
+    merged key by key with OmegaConf's typed merge (a key left out keeps the value below it:
+    rollout.max_completion_length stays 6 when only rollout.temperature is given); then
+    validated. Every error is one line naming the key."""
+    schema = OmegaConf.structured(Config)
+    layers = [schema]
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
-        tree = loaded or {}
-    for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
-        _set_dotted(tree, key.strip(), _RawValue(raw))
-    # Every key the file or an override leaves out keeps its value in Config(): the demo's
-    # defaults, section by section (rollout.max_completion_length=6 stays 6 when only
-    # rollout.temperature is given).
-    cfg = _build(Config, tree, "", base=Config())
+        layers.append(_file_layer(Path(path)))
+    layers += [_override_layer(item, schema) for item in overrides or []]
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(*layers))
+    except OmegaConfBaseException as e:
+        raise ConfigError(_describe(e, schema)) from None
     validate(cfg)
     return cfg
 
 
-class _RawValue(str):
-    """A command-line value: parsed as YAML unless the field is a string."""
-
-
-def _set_dotted(tree: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = tree
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def _build(cls: type, data: Any, prefix: str, base: Any = None) -> Any:
-    """An instance of dataclass `cls` from the mapping `data`: the keys it holds are coerced
-    to their field types, the others keep their value in `base` (an instance of `cls`;
-    None: the class defaults). Sections merge recursively, key by key."""
-    where = prefix.rstrip(".") or "config"
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        raise ConfigError(f"unknown key {prefix}{unknown[0]}; valid keys in {where}: {names}")
-    kwargs = {} if base is None else {name: getattr(base, name) for name in names}
-    for k, v in data.items():
-        if dataclasses.is_dataclass(hints[k]) and base is not None:
-            section = {} if v is None else v  # a section whose keys are all commented out
-            kwargs[k] = _build(hints[k], section, f"{prefix}{k}.", base=kwargs[k])
-        else:
-            kwargs[k] = _coerce(hints[k], v, f"{prefix}{k}")
+def _file_layer(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: {e}") from None
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    # A section whose keys are all commented out reads as null: it keeps its defaults.
+    tree = {k: v for k, v in (loaded or {}).items() if not (v is None and k in SECTIONS)}
+    for section in SECTIONS:
+        if not isinstance(tree.get(section, {}), dict):
+            raise ConfigError(f"{section} must be a mapping of keys, got {tree[section]!r}")
+    try:
+        return OmegaConf.create(_literal(tree))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config file {str(path)!r}: {_describe(e)}") from None
 
 
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key + ".")
-    if origin in (typing.Union, types.UnionType):
-        if type(None) in args and (
-            value is None
-            or (isinstance(value, _RawValue) and value.strip().lower() in ("null", "none", "~"))
-        ):
-            return None
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            return _coerce(inner[0], value, key)
-        return value
-    if isinstance(value, _RawValue) and tp is not str:
+def _override_layer(item: str, schema: DictConfig) -> DictConfig:
+    """One `section.key=value` override. A string field takes the text as it is; any other
+    field reads it as YAML; a list field also takes comma-separated items or a single one
+    (trainer.report_to=tensorboard,wandb)."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    try:
+        node = OmegaConf.select(schema, key, throw_on_missing=False)
+    except OmegaConfBaseException:
+        node = None
+    if isinstance(node, DictConfig):
+        raise ConfigError(f"{key} is a section, not a value: set its keys ({key}.<key>=...)")
+    field_type, bare = _field_type(key), raw.strip()
+    if bare.lower() in NULLS and _optional(field_type):
+        value: Any = None
+    elif _accepts(field_type, str):
+        value = raw
+    else:
+        if _accepts(field_type, list) and not bare.startswith("["):
+            bare = f"[{bare}]"  # a, b, c or a single item: the list of them
         try:
-            value = yaml.safe_load(value) if value.strip() else None
+            value = yaml.safe_load(bare)
         except yaml.YAMLError:
-            raise ConfigError(f"{key}={value!r} is not a valid value") from None
-    if tp is Any:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key} must be a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return str(value)
-        raise ConfigError(f"{key} must be a string, got {value!r}")
-    if origin is list:
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list, got {value!r}")
-        elem = args[0] if args else Any
-        return [_coerce(elem, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return dict(value)
-    return value
+            raise ConfigError(f"{key}={raw!r} is not a valid value") from None
+    tree: Any = value
+    for part in reversed(key.split(".")):
+        tree = {part: tree}
+    return OmegaConf.create(_literal(tree))
+
+
+SECTIONS = ("model", "task", "rewards", "rollout", "trainer")
+NULLS = ("null", "none", "~", "")
+
+
+def _field_type(key: str) -> Any:
+    """The annotation of the dotted key in Config, or None when no field has that name (the
+    merge then reports the key)."""
+    tp: Any = Config
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return None
+        tp = typing.get_type_hints(tp).get(part)
+    return tp
+
+
+def _optional(tp: Any) -> bool:
+    return type(None) in typing.get_args(tp)
+
+
+def _accepts(tp: Any, kind: type) -> bool:
+    """Whether the annotation is `kind` (or `kind | None`); list[...] counts as list."""
+    options = typing.get_args(tp) if _optional(tp) else (tp,)
+    return any(o is kind or typing.get_origin(o) is kind for o in options)
+
+
+def _literal(tree: Any) -> Any:
+    """Strings kept as written: OmegaConf would read "${...}" as an interpolation."""
+    if isinstance(tree, str):
+        return tree.replace("${", "\\${")
+    if isinstance(tree, dict):
+        return {k: _literal(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_literal(v) for v in tree]
+    return tree
+
+
+def _describe(error: OmegaConfBaseException, schema: DictConfig | None = None) -> str:
+    """OmegaConf's error on one line, naming the key (and the valid keys of its section)."""
+    key = getattr(error, "full_key", None) or ""
+    message = (getattr(error, "msg", None) or str(error)).strip().splitlines()[0]
+    if isinstance(error, ConfigKeyError) and schema is not None and key:
+        section = key.rpartition(".")[0]
+        node = OmegaConf.select(schema, section) if section else schema
+        valid = list(node.keys()) if isinstance(node, DictConfig) else []
+        return f"unknown key {key}; valid keys in {section or 'config'}: {valid}"
+    return f"{key}: {message}" if key else message
 
 
 # --- Validation -------------------------------------------------------------------------------
