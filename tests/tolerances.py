@@ -30,6 +30,7 @@ import torch
 from grpolab.models import base_model
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
+EPS64 = torch.finfo(torch.float64).eps  # 2.22e-16
 ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which the trainer keeps
 
 
