@@ -7,10 +7,13 @@ gradient invariance to the minibatch split and a worst-case-length dry run.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +71,90 @@ def sample_batch(run, cfg: Config) -> tuple[PreflightBatch, list[str]]:
     return batch, rollout.completions
 
 
-def check_split_invariance(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
-    """The gradient of the batch in one pass equals the gradient accumulated over micro-batches
-    with the trainer's loss scaling (the wrong normaliser under accumulation shows here)."""
+# --- Against a float64 copy of the model -------------------------------------------------------
+#
+# The gradient checks hold each path to checks.precision_tolerance: no materially further from
+# a float64 copy of the model, on the same batch, than the plain path is.
+
+REFERENCE_ROWS = 4  # rows per float64 forward: its [rows, T, V] float64 logits stay small
+
+
+def float64_copy(model) -> torch.nn.Module:
+    """The model in float64 for the references: 8 bytes a parameter, 16 with gradients."""
+    return copy.deepcopy(model).double().eval()
+
+
+def _trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _grads(model) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for _, p in _trainable(model)]
+
+
+@dataclass(frozen=True)
+class Distance:
+    """How far a gradient (and log-probs) are from a reference's."""
+
+    grad: float  # max |grad - reference| over every parameter, / max |reference|
+    worst: str  # the parameter where that is reached
+    worst_abs: float  # its |grad - reference|
+    logp: float = 0.0  # max |logp - reference| over completion tokens
+    logp_scale: float = 0.0  # max |reference logp| over completion tokens
+
+
+def _grad_distance(model, reference: list[torch.Tensor | None]) -> Distance:
+    """The model's current .grad against reference gradients (None: the parameter has none)."""
+    scale = max((float(r.abs().max()) for r in reference if r is not None), default=0.0) or 1.0
+    worst, worst_abs = "-", 0.0
+    for (name, p), ref in zip(_trainable(model), reference, strict=True):
+        if ref is not None:
+            gap = _max_gap(torch.zeros_like(ref) if p.grad is None else p.grad, ref)
+            if gap > worst_abs:
+                worst, worst_abs = name, gap
+    return Distance(worst_abs / scale, worst, worst_abs)
+
+
+def _logprob_grads(model, fn, args, rows: int) -> torch.Tensor:
+    """logp [B, T-1] of fn on `args` (input_ids, attention_mask, completion_mask,
+    temperature), with the gradient of sum(logp * mask) left in the model's .grad;
+    `rows` rows per forward (the loss is a sum over rows)."""
+    model.zero_grad(set_to_none=True)
+    values = []
+    for r0 in range(0, args[0].shape[0], rows):
+        logp, mask = fn(model, *(a[r0 : r0 + rows] for a in args[:3]), args[3])
+        (logp * mask).sum().backward()
+        values.append(logp.detach())
+    return torch.cat(values)
+
+
+def logprob_distances(
+    model, model64, args, paths: dict, reference=checks.float64_logprobs
+) -> dict[str, Distance]:
+    """Each of `paths` (name -> a sequence_logprobs-like function) on `model`, against
+    `reference` on `model64`: log-probs and the gradient of sum(logp * mask) reaching the
+    parameters. args: (input_ids, attention_mask, completion_mask, temperature)."""
+    valid = args[2][:, 1:].bool()
+    ref_logp = _logprob_grads(model64, reference, args, REFERENCE_ROWS)
+    ref_grads = _grads(model64)
+    model64.zero_grad(set_to_none=True)
+    scale = _max_gap(ref_logp[valid], torch.zeros_like(ref_logp[valid]))
+    out = {}
+    for name, fn in paths.items():
+        logp = _logprob_grads(model, fn, args, args[0].shape[0])
+        grad = _grad_distance(model, ref_grads)
+        model.zero_grad(set_to_none=True)
+        gap = _max_gap(logp[valid], ref_logp[valid])
+        out[name] = dataclasses.replace(grad, logp=gap, logp_scale=scale)
+    return out
+
+
+def check_split_invariance(
+    impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings, model64=None
+):
+    """The gradient of the batch accumulated over micro-batches with the trainer's loss
+    scaling equals the gradient in one pass (the wrong normaliser under accumulation shows
+    here): both against the one-pass gradient of the same functions on a float64 copy."""
     from grpolab.trainer import loss_scale
 
     B = batch.input_ids.shape[0]
@@ -78,18 +162,23 @@ def check_split_invariance(impl: CoreImpl, model, batch: PreflightBatch, s: Pref
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
     L = s.max_completion_length or batch.input_ids.shape[1]
 
-    def loss_of(rows: torch.Tensor) -> torch.Tensor:
+    def loss_of(model, rows: torch.Tensor) -> torch.Tensor:
         logp, mask = impl.sequence_logprobs(model, *(a[rows] for a in args[:3]), s.temperature)
         loss, _ = impl.grpo_loss(
-            logp, logp.detach() + 0.05, None, advantages[rows], mask, eps_low=s.eps_low,
-            eps_high=s.eps_high, beta=0.0, loss_agg=s.loss_agg, max_completion_length=L,
+            logp, logp.detach() + 0.05, None, advantages[rows], mask,
+            eps_low=s.eps_low, eps_high=s.eps_high, beta=0.0, loss_agg=s.loss_agg,
+            max_completion_length=L,
         )  # fmt: skip
         return loss
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    model64 = float64_copy(model) if model64 is None else model64
+    model64.zero_grad(set_to_none=True)
+    loss_of(model64, torch.arange(B)).backward()
+    reference = _grads(model64)
+    model64.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
-    loss_of(torch.arange(B)).backward()
-    whole = [p.grad.detach().clone() for p in params]
+    loss_of(model, torch.arange(B)).backward()
+    whole = _grad_distance(model, reference).grad
     model.zero_grad(set_to_none=True)
     unit_mask = batch.completion_mask[:, 1:]
     lengths = unit_mask.sum(1)
@@ -99,67 +188,54 @@ def check_split_invariance(impl: CoreImpl, model, batch: PreflightBatch, s: Pref
     for rows in parts:
         if len(rows):
             micro_mask = unit_mask[rows]
-            (loss_of(rows) * loss_scale(s.loss_agg, micro_mask, unit_mask)).backward()
-    split = [p.grad.detach().clone() for p in params]
+            (loss_of(model, rows) * loss_scale(s.loss_agg, micro_mask, unit_mask)).backward()
+    split = _grad_distance(model, reference).grad
     model.zero_grad(set_to_none=True)
-    scale = max(float(g.abs().max()) for g in whole) or 1.0
-    gap = max(float((a - b).abs().max()) for a, b in zip(whole, split, strict=True)) / scale
+    tol = checks.precision_tolerance(whole, 1.0, next(model.parameters()).dtype)
     yield CheckResult(
         "split.gradient_invariance",
         0,
-        "max |grad(one pass) - grad(3 uneven micro-batches)| / max |grad|",
-        gap,
-        "<= 1e-4",
-        gap <= 1e-4,
+        "max |grad(3 uneven micro-batches) - grad(one pass, float64 copy)| / max |grad|",
+        split,
+        checks.tolerance_text(tol, whole, "one pass"),
+        split <= tol,
         "the loss of each micro-batch must be scaled by its share of the whole batch's "
         "normaliser (tokens for token-mean, sequences for sequence-mean)",
     )
 
 
-def check_fused_logprobs(model, batch: PreflightBatch, s: PreflightSettings):
-    """The trainer's memory-efficient log-probs against the seed's code on this model:
-    values and the gradient reaching the model's parameters."""
+def check_fused_logprobs(model, batch: PreflightBatch, s: PreflightSettings, model64=None):
+    """The trainer's memory-efficient log-probs and the seed's code, each against a float64
+    copy of the model: values and the gradient reaching the model's parameters."""
     from grpolab import core
     from grpolab.logprobs import shared_prefix_status, split_model, token_logprobs
 
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
-    valid = batch.completion_mask[:, 1:].bool()
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def values_and_grads(fn):
-        model.zero_grad(set_to_none=True)
-        logp, mask = fn(model, *args)
-        (logp * mask).sum().backward()
-        grads = [p.grad.detach().clone() for p in params if p.grad is not None]
-        model.zero_grad(set_to_none=True)
-        return logp.detach(), grads
 
     def trainers(model, *args):
         return token_logprobs(model, *args, shared_prefix=s.shared_prefix)
 
-    fused, fused_grads = values_and_grads(trainers)
-    naive, naive_grads = values_and_grads(core.sequence_logprobs)
-    gap = _max_gap(fused[valid], naive[valid])
-    scale = max((float(g.abs().max()) for g in naive_grads), default=1.0) or 1.0
-    grad_gap = max(
-        (_max_gap(a, b) for a, b in zip(fused_grads, naive_grads, strict=True)), default=0.0
-    )
-    grad_gap /= scale
+    model64 = float64_copy(model) if model64 is None else model64
+    paths = {"fused": trainers, "naive": core.sequence_logprobs}
+    fused, naive = logprob_distances(model, model64, args, paths).values()
+    dtype = next(model.parameters()).dtype
+    tol = checks.precision_tolerance(naive.logp, naive.logp_scale, dtype)
+    grad_tol = checks.precision_tolerance(naive.grad, 1.0, dtype)
     reason = split_model(model).reason
     path = "fused" if reason is None else f"naive fallback ({reason})"
     if reason is None and s.shared_prefix:
         why_not = shared_prefix_status(model, *args[:3])
         path += ", one forward per prompt" if why_not is None else f", one per row ({why_not})"
-    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2
     yield CheckResult(
         "logprobs.fused_vs_naive",
         0,
-        f"{path}: max |logp gap| (relative grad gap {grad_gap:.1e})",
-        gap,
-        f"<= {tol:g}",
-        gap <= tol and grad_gap <= tol,
-        "the chunked lm-head path disagrees with the seed's log-softmax on this model: set "
-        "trainer.logprobs=naive and report the model",
+        f"{path}: max |logp - float64 copy's| (relative gradient gap {fused.grad:.1e}, "
+        f"naive {naive.grad:.1e})",
+        fused.logp,
+        f"{checks.tolerance_text(tol, naive.logp, 'naive')}; gradient <= {grad_tol:.2g}",
+        fused.logp <= tol and fused.grad <= grad_tol,
+        "the chunked lm-head path is further from float64 than the seed's log-softmax on "
+        "this model: set trainer.logprobs=naive and report the model",
     )
 
 
@@ -241,13 +317,17 @@ def run_preflight(cfg: Config, impl: CoreImpl | None = None, run=None) -> list[C
     was_training = model.training
     model.eval()
     try:
+        model64 = float64_copy(model)  # both gradient checks' reference
         if cfg.trainer.logprobs == "fused":
             results += checks.guarded(
-                impl, ("logprobs.fused_vs_naive",), 0, check_fused_logprobs, model, batch, s
-            )
+                impl, ("logprobs.fused_vs_naive",), 0, check_fused_logprobs, model, batch, s,
+                model64,
+            )  # fmt: skip
         results += checks.guarded(
-            impl, ("split.gradient_invariance",), 0, check_split_invariance, impl, model, batch, s
-        )
+            impl, ("split.gradient_invariance",), 0, check_split_invariance, impl, model, batch,
+            s, model64,
+        )  # fmt: skip
+        del model64
         if impl.path is None:  # memory of grpolab's own path; a learner's code is not sized
             prompt_tokens = longest_prompt_tokens(run)
             results += checks.guarded(
