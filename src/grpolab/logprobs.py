@@ -14,8 +14,11 @@ the lm-head weight W [V, H]; only completion positions are projected, tile by ti
 
 so no tensor larger than one tile of logits ever exists, and the work is the three lm-head
 matmuls plus one recompute of the logits (the fourth matmul is the price of not storing
-[N, V]: the upstream gradient g is unknown until backward). `impl="naive"` is the seed's
-code, kept as the reference.
+[N, V]: the upstream gradient g is unknown until backward). The forward keeps as many
+vocabulary chunks of the logits as take no more memory than the weight gradient [V, H]
+the backward returns anyway, and the backward reads those instead of recomputing them
+(`kept_chunks`): all of them when there are fewer tokens than hidden units, where the
+matmuls are most of the time. `impl="naive"` is the seed's code, kept as the reference.
 """
 
 from __future__ import annotations
@@ -103,11 +106,16 @@ class _Tiles:
         )
 
     def logits(
-        self, h: torch.Tensor, w: torch.Tensor, inv_t: float, shift: torch.Tensor | None = None
+        self,
+        h: torch.Tensor,
+        w: torch.Tensor,
+        inv_t: float,
+        shift: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """h @ w^T * inv_t (- shift[:, None]) as a float32 [n, v] tile."""
+        """h @ w^T * inv_t (- shift[:, None]) as a float32 [n, v] tile (in `out` if given)."""
         n, v = h.shape[0], w.shape[0]
-        out = self.main[: n * v].view(n, v)
+        out = self.tile((n, v)) if out is None else out
         if self.low is None:
             # (mm, then a pass to shift, measured faster on CPU than addmm with a broadcast
             # input, which copies it into `out` and then reads it back in the GEMM.)
@@ -121,6 +129,9 @@ class _Tiles:
         if shift is not None:
             out.sub_(shift[:, None])
         return out
+
+    def tile(self, shape: tuple[int, int]) -> torch.Tensor:
+        return self.main[: shape[0] * shape[1]].view(shape)
 
     def second(self, like: torch.Tensor) -> torch.Tensor:
         return self.aux[: like.numel()].view(like.shape)
@@ -140,9 +151,12 @@ def _forward(
     inv_t: float,
     chunks: Chunks,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(logp [N], top [N], total [N], entropy [N] or None), in float32 (float64 for float64
-    inputs), where top = max_j z_j and total = sum_j exp(z_j - top) over the whole vocabulary.
+    keep_chunks: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, list | None]:
+    """(logp [N], top [N], total [N], entropy [N] or None, logits), in float32 (float64 for
+    float64 inputs), where top = max_j z_j and total = sum_j exp(z_j - top) over the whole
+    vocabulary; logits: z itself, [N, v], for the first keep_chunks vocabulary chunks
+    (None for the others), or None when keep_chunks is 0.
 
     Where precision goes for a confident token (1 - p small; GRPO samples many): the
     log-sum-exp as one float32 number lse = top + log(total) is rounded to the ulp of |z|
@@ -159,24 +173,32 @@ def _forward(
     rest = torch.zeros(n_tokens, dtype=acc, device=hidden.device)
     spread = torch.zeros(n_tokens, dtype=acc, device=hidden.device) if with_entropy else None
     target_logit = torch.zeros(n_tokens, dtype=acc, device=hidden.device)
+    kept = [] if keep_chunks else None
     for v0 in range(0, vocab, chunks.vocab):
         w = weight[v0 : v0 + chunks.vocab]  # [v, H]
         v = w.shape[0]
         local = targets - v0  # [N]
         here = (local >= 0) & (local < v)
         local = local.clamp(0, v - 1)
+        store = None
+        if v0 < keep_chunks * chunks.vocab:
+            store = torch.empty(n_tokens, v, dtype=acc, device=w.device)
         for n0 in range(0, n_tokens, chunks.tokens):
             rows = slice(n0, n0 + chunks.tokens)
             column, in_tile = local[rows, None], here[rows]  # [n, 1], [n]
-            z = tiles.logits(hidden[rows], w, inv_t)  # [n, v]
-            picked = z.gather(1, column).squeeze(1)  # [n]
+            raw = tiles.logits(hidden[rows], w, inv_t, out=None if store is None else store[rows])
+            picked = raw.gather(1, column).squeeze(1)  # [n]
             target_logit[rows] += torch.where(in_tile, picked, torch.zeros_like(picked))
-            # In place: max, shift, exp, sum; the tile is never copied.
-            tile_top = z.amax(dim=1)  # [n]
-            z.sub_(tile_top[:, None])
+            # Max, shift, exp, sum; in place unless the logits are kept.
+            tile_top = raw.amax(dim=1)  # [n]
+            if store is None:
+                z = raw.sub_(tile_top[:, None])
+            else:
+                z = torch.sub(raw, tile_top[:, None], out=tiles.tile(raw.shape))
             e = torch.exp(z, out=tiles.second(z)) if spread is not None else z.exp_()
-            kept = e.gather(1, column).squeeze(1)
-            e.scatter_(1, column, torch.where(in_tile, torch.zeros_like(kept), kept)[:, None])
+            e_target = e.gather(1, column).squeeze(1)
+            zero = torch.zeros_like(e_target)
+            e.scatter_(1, column, torch.where(in_tile, zero, e_target)[:, None])
             tile_rest = e.sum(dim=1)  # [n]
             if spread is not None:
                 tile_spread = torch.linalg.vecdot(e, z)  # sum e * (z - tile_top)
@@ -195,6 +217,8 @@ def _forward(
                 )
             rest[rows] = old_scale * rest[rows] + tile_scale * tile_rest
             top[rows] = new_top
+        if kept is not None:
+            kept.append(store)
     target_shift = target_logit - top  # <= 0
     target_term = torch.exp(target_shift)
     total = target_term + rest
@@ -206,7 +230,7 @@ def _forward(
     entropy = None
     if spread is not None:  # H = -sum p log p = log(total) - sum p (z - top)
         entropy = log_total - (spread + target_term * target_shift) / total
-    return logp, top, total, entropy
+    return logp, top, total, entropy, kept
 
 
 def _backward(
@@ -223,8 +247,10 @@ def _backward(
     chunks: Chunks,
     need_hidden: bool,
     need_weight: bool,
+    kept: list | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gradients w.r.t. hidden [N, H] and weight [V, H], one recomputed tile at a time.
+    """Gradients w.r.t. hidden [N, H] and weight [V, H], one recomputed tile at a time (or
+    read from the forward's kept logits, each chunk freed once its gradient is written).
 
     With z = logits / T, e = exp(z - top), S = total: p = e / S and log p = z - top - log S.
     d logp / dz = onehot - p and d entropy / dz = -p * (log p + entropy), so grad_z = -B / S
@@ -267,12 +293,13 @@ def _backward(
     if need_weight:
         grad_weight = torch.empty_like(weight) if n_tokens else torch.zeros_like(weight)
 
-    for v0 in range(0, vocab, chunks.vocab):
+    for k, v0 in enumerate(range(0, vocab, chunks.vocab)):
         w = weight[v0 : v0 + chunks.vocab]  # [v, H]
         v = w.shape[0]
         local = targets - v0  # [N]
         here = (local >= 0) & (local < v)
         local = local.clamp(0, v - 1)
+        stored = None if kept is None else kept[k]  # [N, v] or None
         if need_weight:
             # Low precision: this chunk's weight-gradient rows summed in float32, rounded once.
             gw = (
@@ -282,15 +309,19 @@ def _backward(
             )
         for n0 in range(0, n_tokens, chunks.tokens):
             rows = slice(n0, n0 + chunks.tokens)
-            b = tiles.logits(hidden[rows], w, inv_t, shift=top[rows])  # z - top  [n, v]
+            if stored is None:
+                b = tiles.logits(hidden[rows], w, inv_t, shift=top[rows])  # z - top  [n, v]
+            else:
+                z = stored[rows]
+                b = torch.sub(z, top[rows, None], out=tiles.tile(z.shape))
             if with_entropy_grad:
                 e = torch.exp(b, out=tiles.second(b))
                 b.mul_(g_entropy[rows, None]).add_(offset[rows, None]).mul_(e)
             else:
                 b.exp_()  # e
             column = local[rows, None]  # [n, 1]
-            kept = b.gather(1, column).squeeze(1)  # rows whose target lies in another chunk
-            b.scatter_(1, column, torch.where(here[rows], target_value[rows], kept)[:, None])
+            other = b.gather(1, column).squeeze(1)  # rows whose target lies in another chunk
+            b.scatter_(1, column, torch.where(here[rows], target_value[rows], other)[:, None])
             if low_precision:
                 b = tiles.low_precision(b, row_factor[rows])
             if need_hidden:
@@ -306,6 +337,8 @@ def _backward(
                     gw.addmm_(b.t(), rhs[rows], beta=first, alpha=-inv_t)  # [v, H]
         if need_weight and low_precision:
             grad_weight[v0 : v0 + v] = gw
+        if kept is not None:
+            kept[k] = None  # a second backward (retain_graph) recomputes it
 
     grad_hidden = None
     if need_hidden:
@@ -314,14 +347,31 @@ def _backward(
     return grad_hidden, grad_weight
 
 
+def kept_chunks(n_tokens: int, weight: torch.Tensor, chunks: Chunks) -> int:
+    """How many vocabulary chunks of the logits the forward keeps for the backward, which
+    then skips their recompute (a quarter of the lm-head's matmuls): as many as take no
+    more memory than the weight gradient [V, H] the backward returns anyway. With fewer
+    tokens than hidden units that is all of them (N x 4 bytes <= H x the weight's bytes);
+    there the matmuls are most of the time, and the fourth would cost more than the
+    seed's whole log-softmax. The backward frees each chunk as it goes, so the peak grows
+    by about one chunk, not by the budget."""
+    vocab, hidden_size = weight.shape
+    budget = vocab * hidden_size * weight.dtype.itemsize  # bytes of the weight gradient
+    chunk = max(n_tokens, 1) * chunks.vocab * _acc_dtype(weight.dtype).itemsize
+    return min(math.ceil(vocab / chunks.vocab), budget // chunk)
+
+
 class FusedTokenLogprobs(torch.autograd.Function):
     """logp[i] = log_softmax(hidden[i] @ weight^T / T)[targets[i]], tile by tile."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, inv_t, chunks, with_entropy):
-        logp, top, total, entropy = _forward(hidden, weight, targets, inv_t, chunks, with_entropy)
+        keep = kept_chunks(hidden.shape[0], weight, chunks) if ctx.needs_input_grad[1] else 0
+        logp, top, total, entropy, kept = _forward(
+            hidden, weight, targets, inv_t, chunks, with_entropy, keep
+        )
         ctx.save_for_backward(hidden, weight, targets, top, total, logp, entropy)
-        ctx.inv_t, ctx.chunks = inv_t, chunks
+        ctx.inv_t, ctx.chunks, ctx.kept = inv_t, chunks, kept
         ctx.set_materialize_grads(False)  # an unused entropy costs nothing in backward
         return logp if entropy is None else (logp, entropy)
 
@@ -344,6 +394,7 @@ class FusedTokenLogprobs(torch.autograd.Function):
             ctx.chunks,
             need_hidden=ctx.needs_input_grad[0],
             need_weight=ctx.needs_input_grad[1],
+            kept=ctx.kept,
         )
         return grad_hidden, grad_weight, None, None, None, None
 
@@ -394,7 +445,7 @@ def fused_token_logprobs(
 
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if not needs_grad:  # logp_old / reference log-probs: nothing is kept for a backward
-        logp, _, _, entropy = _forward(hidden, weight, targets, inv_t, chunks, return_entropy)
+        logp, _, _, entropy, _ = _forward(hidden, weight, targets, inv_t, chunks, return_entropy)
         return (logp, entropy) if return_entropy else logp
     return FusedTokenLogprobs.apply(hidden, weight, targets, inv_t, chunks, return_entropy)
 
