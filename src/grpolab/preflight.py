@@ -76,7 +76,8 @@ def sample_batch(run, cfg: Config) -> tuple[PreflightBatch, list[str]]:
 # The gradient checks hold each path to checks.precision_tolerance: no materially further from
 # a float64 copy of the model, on the same batch, than the plain path is.
 
-REFERENCE_ROWS = 4  # rows per float64 forward: its [rows, T, V] float64 logits stay small
+# Rows per float64 forward with grad: its activations and [rows, T, V] logits stay small.
+REFERENCE_ROWS = 4
 
 
 def float64_copy(model) -> torch.nn.Module:
@@ -115,17 +116,33 @@ def _grad_distance(model, reference: list[torch.Tensor | None]) -> Distance:
     return Distance(worst_abs / scale, worst, worst_abs)
 
 
-def _logprob_grads(model, fn, args, rows: int) -> torch.Tensor:
-    """logp [B, T-1] of fn on `args` (input_ids, attention_mask, completion_mask,
-    temperature), with the gradient of sum(logp * mask) left in the model's .grad;
-    `rows` rows per forward (the loss is a sum over rows)."""
-    model.zero_grad(set_to_none=True)
-    values = []
-    for r0 in range(0, args[0].shape[0], rows):
-        logp, mask = fn(model, *(a[r0 : r0 + rows] for a in args[:3]), args[3])
-        (logp * mask).sum().backward()
-        values.append(logp.detach())
-    return torch.cat(values)
+def reference_gradient(model64, logprobs_fn, args, loss_of) -> tuple[torch.Tensor, list]:
+    """(logp [B, T-1], the parameters' gradients) of loss_of(logp, mask) for logp, mask =
+    logprobs_fn(model64, *args) on the whole batch (args: input_ids, attention_mask,
+    completion_mask, temperature), REFERENCE_ROWS rows per forward: d loss / d logp from the
+    whole batch's log-probs, then each slice of rows backpropagated with its share of it
+    (the chain rule: exact for any loss, whatever its normaliser)."""
+    B = args[0].shape[0]
+    slices = [slice(r0, r0 + REFERENCE_ROWS) for r0 in range(0, B, REFERENCE_ROWS)]
+
+    def rows_of(rows: slice):
+        return logprobs_fn(model64, *(a[rows] for a in args[:3]), args[3])
+
+    with torch.no_grad():
+        parts = [rows_of(rows) for rows in slices]
+    logp = torch.cat([p[0] for p in parts]).requires_grad_()
+    loss_of(logp, torch.cat([p[1] for p in parts])).backward()
+    upstream = logp.grad
+    model64.zero_grad(set_to_none=True)
+    for rows in slices:
+        (rows_of(rows)[0] * upstream[rows]).sum().backward()
+    grads = _grads(model64)
+    model64.zero_grad(set_to_none=True)
+    return logp.detach(), grads
+
+
+def _masked_sum(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (logp * mask).sum()
 
 
 def logprob_distances(
@@ -135,16 +152,16 @@ def logprob_distances(
     `reference` on `model64`: log-probs and the gradient of sum(logp * mask) reaching the
     parameters. args: (input_ids, attention_mask, completion_mask, temperature)."""
     valid = args[2][:, 1:].bool()
-    ref_logp = _logprob_grads(model64, reference, args, REFERENCE_ROWS)
-    ref_grads = _grads(model64)
-    model64.zero_grad(set_to_none=True)
+    ref_logp, ref_grads = reference_gradient(model64, reference, args, _masked_sum)
     scale = _max_gap(ref_logp[valid], torch.zeros_like(ref_logp[valid]))
     out = {}
     for name, fn in paths.items():
-        logp = _logprob_grads(model, fn, args, args[0].shape[0])
+        model.zero_grad(set_to_none=True)
+        logp, mask = fn(model, *args)
+        _masked_sum(logp, mask).backward()
         grad = _grad_distance(model, ref_grads)
         model.zero_grad(set_to_none=True)
-        gap = _max_gap(logp[valid], ref_logp[valid])
+        gap = _max_gap(logp.detach()[valid], ref_logp[valid])
         out[name] = dataclasses.replace(grad, logp=gap, logp_scale=scale)
     return out
 
@@ -162,22 +179,21 @@ def check_split_invariance(
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.temperature)
     L = s.max_completion_length or batch.input_ids.shape[1]
 
-    def loss_of(model, rows: torch.Tensor) -> torch.Tensor:
-        logp, mask = impl.sequence_logprobs(model, *(a[rows] for a in args[:3]), s.temperature)
+    def loss_of(logp, mask, rows=slice(None)) -> torch.Tensor:
         loss, _ = impl.grpo_loss(
-            logp, logp.detach() + 0.05, None, advantages[rows], mask,
-            eps_low=s.eps_low, eps_high=s.eps_high, beta=0.0, loss_agg=s.loss_agg,
-            max_completion_length=L,
+            logp, logp.detach() + 0.05, None, advantages[rows], mask, eps_low=s.eps_low,
+            eps_high=s.eps_high, beta=0.0, loss_agg=s.loss_agg, max_completion_length=L,
         )  # fmt: skip
         return loss
 
+    def loss_of_rows(rows) -> torch.Tensor:
+        logp, mask = impl.sequence_logprobs(model, *(a[rows] for a in args[:3]), s.temperature)
+        return loss_of(logp, mask, rows)
+
     model64 = float64_copy(model) if model64 is None else model64
-    model64.zero_grad(set_to_none=True)
-    loss_of(model64, torch.arange(B)).backward()
-    reference = _grads(model64)
-    model64.zero_grad(set_to_none=True)
+    _, reference = reference_gradient(model64, impl.sequence_logprobs, args, loss_of)
     model.zero_grad(set_to_none=True)
-    loss_of(model, torch.arange(B)).backward()
+    loss_of_rows(torch.arange(B)).backward()
     whole = _grad_distance(model, reference).grad
     model.zero_grad(set_to_none=True)
     unit_mask = batch.completion_mask[:, 1:]
@@ -188,7 +204,7 @@ def check_split_invariance(
     for rows in parts:
         if len(rows):
             micro_mask = unit_mask[rows]
-            (loss_of(model, rows) * loss_scale(s.loss_agg, micro_mask, unit_mask)).backward()
+            (loss_of_rows(rows) * loss_scale(s.loss_agg, micro_mask, unit_mask)).backward()
     split = _grad_distance(model, reference).grad
     model.zero_grad(set_to_none=True)
     tol = checks.precision_tolerance(whole, 1.0, next(model.parameters()).dtype)
