@@ -309,8 +309,9 @@ def precision_tolerance(plain_err: float, largest: float, dtype: torch.dtype) ->
     return PRECISION_FACTOR * plain_err + FLOOR_ULPS * torch.finfo(dtype).eps * largest
 
 
-def tolerance_text(tol: float, plain_err: float, plain: str) -> str:
-    return f"<= {tol:.2g} ({PRECISION_FACTOR:g} x {plain}'s {plain_err:.1e} + {FLOOR_ULPS} ulp)"
+def tolerance_text(tol: float, plain_err: float, plain: str, extra: str = "") -> str:
+    what = f"{PRECISION_FACTOR:g} x {plain}'s {plain_err:.1e} + {FLOOR_ULPS} ulp{extra}"
+    return f"<= {tol:.2g} ({what})"
 
 
 def _unpadded_rows(batch: PreflightBatch) -> PreflightBatch:
@@ -326,39 +327,53 @@ def _unpadded_rows(batch: PreflightBatch) -> PreflightBatch:
     )
 
 
+def _row_by_row(impl: CoreImpl, model, batch: PreflightBatch, temperature: float):
+    """The implementation's log-probs [B, T-1], one row per call. A batch lets it share a
+    group's prompt forward, which rounds differently from the model's own forward (in bf16
+    by whole units of the last place of the logits); alone, a row's logits are the model's,
+    and what the log-prob checks compare is the log-softmax and its alignment alone."""
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
+    rows = [impl.sequence_logprobs(model, *(a[i : i + 1] for a in args), temperature)[0]
+            for i in range(batch.input_ids.shape[0])]  # fmt: skip
+    return torch.cat(rows)
+
+
 def check_logprobs(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSettings):
     """Each against float64 and against the seed's float32 log-softmax of the same logits
     (the agreement criterion above); the values compared are float32 log-probs."""
     batch = _unpadded_rows(batch)
     comp = batch.completion_mask[:, 1:].bool()  # the true completion tokens, [B, T-1]
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
     reference, plain = _reference_logprobs(model, batch, 1.0)
     largest = _max_abs(reference[comp])
     with torch.no_grad():
-        logp, _ = impl.sequence_logprobs(model, *args, 1.0)
+        logp = _row_by_row(impl, model, batch, 1.0)
         # The model's own labels loss (it shifts internally), one row at a time: the mean
-        # completion log-prob of a row is minus that loss.
-        gaps, plain_gaps = [], []
+        # completion log-prob of a row is minus that loss. The loss is a float32 computation
+        # too, with its own distance from float64: a correct implementation may be as far from
+        # it as that distance plus its own allowance.
+        gaps, plain_gaps, loss_gaps = [], [], []
         for i in range(batch.input_ids.shape[0]):
             keep = batch.attention_mask[i].bool()
             labels = batch.input_ids[i][keep].masked_fill(batch.completion_mask[i][keep] == 0, -100)
             ce = model(input_ids=batch.input_ids[i][keep][None], labels=labels[None]).loss.item()
+            exact = reference[i][comp[i]].mean().item()
             gaps.append(abs(logp[i][comp[i]].double().mean().item() + ce))
-            plain_gaps.append(abs(plain[i][comp[i]].double().mean().item() + ce))
-    shift_gap, plain_gap = max(gaps), max(plain_gaps)
-    tol = precision_tolerance(plain_gap, largest, torch.float32)
+            plain_gaps.append(abs(plain[i][comp[i]].double().mean().item() - exact))
+            loss_gaps.append(abs(ce + exact))
+    shift_gap, plain_gap, loss_gap = max(gaps), max(plain_gaps), max(loss_gaps)
+    tol = precision_tolerance(plain_gap, largest, torch.float32) + loss_gap
     yield _result(
         "logprobs.shift",
         1,
         "max |mean completion logp + model's labels CE| per row",
         shift_gap,
-        tolerance_text(tol, plain_gap, "float32 log-softmax"),
+        tolerance_text(tol, plain_gap, "float32 log-softmax", f" + the loss's {loss_gap:.1e}"),
         shift_gap <= tol,
     )
 
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     with torch.no_grad():
-        logp_bf16, _ = impl.sequence_logprobs(bf16, *args, 1.0)
+        logp_bf16 = _row_by_row(impl, bf16, batch, 1.0)
     reference, plain = _reference_logprobs(bf16, batch, 1.0)
     del bf16
     gap = _max_abs((logp_bf16.double() - reference)[comp])
@@ -376,7 +391,7 @@ def check_logprobs(impl: CoreImpl, model, batch: PreflightBatch, s: PreflightSet
 
     temperature = s.temperature if s.temperature != 1.0 else 0.7
     with torch.no_grad():
-        logp_t, _ = impl.sequence_logprobs(model, *args, temperature)
+        logp_t = _row_by_row(impl, model, batch, temperature)
     reference, plain = _reference_logprobs(model, batch, temperature)
     gap = _max_abs((logp_t.double() - reference)[comp])
     plain_gap = _max_abs((plain.double() - reference)[comp])
