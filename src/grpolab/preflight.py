@@ -2,7 +2,8 @@
 
 A real rollout batch from the configured task is sampled (a few groups), scored by the
 configured rewards, and every check runs on it, plus the checks that need the trainer:
-gradient invariance to the minibatch split and a worst-case-length dry run.
+gradient invariance to the minibatch split and a worst-case-length dry run; and the reward
+probes: hand-written completions for real task rows scored by the configured rewards.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from grpolab import checks
 from grpolab.checks import CheckResult, CoreImpl, PreflightBatch, PreflightSettings
 from grpolab.config import Config
 from grpolab.monitors import limits_for
+from grpolab.rewards.probes import probe_rows, run_probes
 
 PREFLIGHT_ROWS = 32  # sequences in the preflight batch (whole groups, at least two)
 
@@ -238,6 +240,8 @@ def run_preflight(cfg: Config, impl: CoreImpl | None = None, run=None) -> list[C
     s = settings_from_config(cfg)
     batch, _ = sample_batch(run, cfg)
     results = checks.run_checks(model, batch, s, impl)
+    report = run_probes(probe_rows(run.task), run.rewards, run.tokenizer)
+    results += list(checks.check_reward_probes(report))
     was_training = model.training
     model.eval()
     try:
