@@ -7,7 +7,7 @@ import pytest
 from grpolab.checkpoint import latest_checkpoint
 from grpolab.config import load_config
 from grpolab.models import load_policy, save_policy
-from grpolab.monitors import MonitorLimits, check_step
+from grpolab.monitors import MonitorLimits, RewardDivergence, check_step
 from grpolab.preflight import PreflightFailed
 from grpolab.trainer import DEMO_MODEL_DIR, MonitorStop, train
 
@@ -54,6 +54,57 @@ def test_missing_or_nan_quantities_are_not_warnings():
     assert check_step(1, {"kl": float("nan")}, MonitorLimits(), scheme_a=True) == []
 
 
+# --- The reward against the strict accuracy -------------------------------------------------
+
+
+def divergence_warnings(rows, scale):
+    """Feed (reward/mean, accuracy, strict_accuracy) per step; (gaps, warnings) per step."""
+    watch = RewardDivergence(MonitorLimits(), scale)
+    out = []
+    for step, (reward, accuracy, strict) in enumerate(rows, start=1):
+        metrics = {"reward/mean": reward, "accuracy": accuracy, "strict_accuracy": strict}
+        out.append(watch.update(step, metrics))
+    return out
+
+
+def test_divergence_waits_for_a_full_window_and_names_the_gap():
+    window = MonitorLimits().divergence_window
+    # A reward paying everything from step 1 while nothing is right.
+    out = divergence_warnings([(1.0, 0.0, 0.0)] * (window + 1), scale=(0.0, 1.0))
+    assert all(not warnings for _, warnings in out[: window - 1])
+    gaps, warnings = out[window - 1]
+    assert gaps == {"monitor/accuracy_strict_gap": 0.0, "monitor/reward_strict_gap": 1.0}
+    (w,) = warnings
+    assert w.startswith(f"step {window}: rewarded-as-right fraction - strict_accuracy = 1 ")
+    assert "gamed reward" in w and "expected <= 0.2" in w
+
+
+def test_the_reward_is_read_on_the_scale_the_probes_measured():
+    # accuracy + 0.1 * format: a formatted wrong answer earns 0.1, a formatted right one 1.1.
+    # All formatted, a quarter right: the reward is a quarter of the way; no gap.
+    out = divergence_warnings([(0.1 + 0.25, 0.25, 0.25)] * 10, scale=(0.1, 1.1))
+    assert out[-1][0]["monitor/reward_strict_gap"] == pytest.approx(0.0, abs=1e-12)
+    assert not out[-1][1]
+    # Without a scale (a reward that pays right and wrong alike) only the accuracy is watched.
+    out = divergence_warnings([(1.0, 0.9, 0.1)] * 10, scale=None)
+    gaps, warnings = out[-1]
+    assert set(gaps) == {"monitor/accuracy_strict_gap"} and gaps[
+        "monitor/accuracy_strict_gap"
+    ] == pytest.approx(0.8)
+    assert len(warnings) == 1 and "accuracy - strict_accuracy" in warnings[0]
+
+
+def test_an_exact_reward_stricter_than_the_strict_check_is_no_warning():
+    # Exact match rejects "85abc", the strict check reads 85: the reward behind, never ahead.
+    out = divergence_warnings([(0.2, 0.2, 0.5)] * 12, scale=(0.0, 1.0))
+    assert not any(warnings for _, warnings in out)
+
+
+def test_steps_without_a_strict_accuracy_are_not_watched():
+    watch = RewardDivergence(MonitorLimits(), (0.0, 1.0))
+    assert watch.update(1, {"reward/mean": 1.0, "accuracy": 1.0}) == ({}, [])
+
+
 # --- In the trainer -----------------------------------------------------------------------------
 
 TINY = [
@@ -76,6 +127,10 @@ def test_the_trainer_records_the_monitored_quantities(tmp_path):
         assert row["monitor/ratio_dev"] <= 1e-6  # scheme A: exactly the sampling policy
         assert row["monitor/adv_group_sum"] <= 1e-5
         assert row["monitor/engine_gap"] <= 1e-4  # the HF engine's own log-probs
+        # Exact match is never looser than the strict check: the reward never runs ahead.
+        assert row["strict_accuracy"] >= row["accuracy"]
+        assert row["monitor/accuracy_strict_gap"] <= 0
+        assert row["monitor/reward_strict_gap"] <= 0
         assert "warnings" not in row
 
 

@@ -44,11 +44,18 @@ from grpolab.checkpoint import (
 from grpolab.checks import CoreImpl
 from grpolab.config import Config, objective_fields, to_dict, to_yaml, validate_world
 from grpolab.dist import Dist
-from grpolab.evaluate import accuracy_rewards, correct, evaluate_accuracy, evaluate_pass_at_k
+from grpolab.evaluate import (
+    accuracy_rewards,
+    correct,
+    evaluate_greedy,
+    evaluate_pass_at_k,
+    strict_correct,
+)
 from grpolab.models import load_policy
-from grpolab.monitors import check_step, limits_for
+from grpolab.monitors import RewardDivergence, check_step, limits_for
 from grpolab.preflight import preflight_gate
 from grpolab.rewards import Rewards, load_rewards, score
+from grpolab.rewards.probes import reward_scale
 from grpolab.rollout import build_engine
 from grpolab.rollout.base import Rollout
 from grpolab.tasks import load_task
@@ -274,6 +281,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     rewards = scores.total  # [B]
     per_sample = [e for e in examples for _ in range(G)]
     is_correct = correct(rollout.completions, per_sample, run.accuracy)  # [B] bool
+    is_strict = strict_correct(rollout.completions, [e.answer for e in per_sample])  # [B] bool
     # Advantages over the global batch ("batch" scaling needs every rank's rewards).
     all_rewards = dist_module.all_gather_cat(rewards, d)  # [B_global]
     advantages = C.group_advantages(all_rewards, G, scale=t.scale_rewards, eps=t.advantage_eps)
@@ -421,6 +429,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     metrics: dict[str, Any] = {
         **scores.metrics,  # reward/mean|std, rewards/<fn>/mean, frac_reward_zero_std, lengths
         "accuracy": float(is_correct.float().mean()),
+        "strict_accuracy": float(is_strict.float().mean()),
         **{k: v / max(weight_total, 1.0) for k, v in sums.items()},  # token-weighted
         "loss": sum(unit_losses) / len(unit_losses),  # the loss each optimizer step saw
         "grad_norm": sum(norms) / len(norms) if norms else float("nan"),
@@ -801,25 +810,30 @@ def train(
     preflight_gate(run, output_dir, console, skip=skip_preflight or sharded)
     tracker = Tracker(output_dir, t.report_to, to_dict(cfg), console, resume_step=start_step)
 
-    def evaluate(label: str) -> float | None:
+    def evaluate(label: str) -> tuple[float | None, float | None]:
+        """(accuracy, strict accuracy) on the held-out problems, in percent."""
         if t.eval_examples == 0 or not task.eval:
-            return None
+            return None, None
         tic = time.perf_counter()
-        acc = evaluate_accuracy(
+        held_out = evaluate_greedy(
             engine,
             task.eval[: t.eval_examples],
             accuracy,
             t.eval_max_completion_length or cfg.rollout.max_completion_length,
         )
         console.print(
-            f"held-out accuracy {label}: [bold]{acc:.1f}%[/bold] "
-            f"({min(t.eval_examples, len(task.eval))} problems, greedy, "
-            f"{time.perf_counter() - tic:.1f} s)"
+            f"held-out accuracy {label}: [bold]{held_out.accuracy:.1f}%[/bold], strict "
+            f"{held_out.strict_accuracy:.1f}% ({min(t.eval_examples, len(task.eval))} problems, "
+            f"greedy, {time.perf_counter() - tic:.1f} s)"
         )
-        return acc
+        return held_out.accuracy, held_out.strict_accuracy
 
     prior_wall = state.get("wall_seconds", 0.0)
-    accuracy_before = state.get("accuracy_before") if resume_dir else evaluate("before GRPO")
+    accuracy_before, strict_before = (
+        (state.get("accuracy_before"), state.get("strict_accuracy_before"))
+        if resume_dir
+        else evaluate("before GRPO")
+    )
     history = state.get("eval_history", [])
 
     def save(step: int) -> Path:
@@ -840,6 +854,7 @@ def train(
             "skipped_steps": run.skipped_steps,
             "consecutive_nonfinite": run.consecutive_nonfinite,
             "accuracy_before": accuracy_before,
+            "strict_accuracy_before": strict_before,
             "eval_history": history,
             "wall_seconds": prior_wall + time.time() - wall_start,
         }
@@ -852,6 +867,7 @@ def train(
 
     limits = limits_for(t, cfg.model.dtype)
     scheme_a = t.logprob_source == "trainer"
+    divergence = RewardDivergence(limits, reward_scale(task, run.rewards, tokenizer))
     step = start_step
     with progress_bar(console, t.progress) as bar:
         task_id = bar.add_task("grpo", total=cfg.max_steps, completed=start_step, info="")
@@ -868,12 +884,18 @@ def train(
                 if t.monitor == "off"
                 else check_step(step, metrics | {"nonfinite": batch["what"]}, limits, scheme_a)
             )
+            if t.monitor != "off":  # the reward running ahead of the strict accuracy
+                gaps, diverging = divergence.update(step, metrics)
+                metrics |= gaps
+                warnings += diverging
             if warnings:
                 metrics["warnings"] = warnings
                 for w in warnings:
                     bar.console.print(f"[yellow]monitor:[/yellow] {escape(w)}")
             if t.eval_steps and step % t.eval_steps == 0 and step < cfg.max_steps:
-                metrics["eval_accuracy"] = evaluate(f"at step {step}")
+                metrics["eval_accuracy"], metrics["eval_strict_accuracy"] = evaluate(
+                    f"at step {step}"
+                )
                 history.append([step, metrics["eval_accuracy"]])
             tracker.log(step, metrics)
             if t.log_completions_steps and (step == 1 or step % t.log_completions_steps == 0):
@@ -918,7 +940,7 @@ def train(
     checkpoint = (
         save(cfg.max_steps) if cfg.max_steps > start_step or resume_dir is None else resume_dir
     )
-    accuracy_after = evaluate("after GRPO")
+    accuracy_after, strict_after = evaluate("after GRPO")
     tracker.close()
     summary = {
         "accuracy_before": accuracy_before,
@@ -928,6 +950,8 @@ def train(
             if accuracy_before is None or accuracy_after is None
             else accuracy_after - accuracy_before
         ),
+        "strict_accuracy_before": strict_before,
+        "strict_accuracy_after": strict_after,
         "steps": step,
         "skipped_steps": run.skipped_steps,
         "eval_history": history,
@@ -945,10 +969,15 @@ def train(
         console.print(
             f"[bold]held-out accuracy: {accuracy_before:.1f}% before GRPO -> "
             f"{accuracy_after:.1f}% after {step} steps "
-            f"({accuracy_after - accuracy_before:+.1f} points)[/bold] in "
+            f"({accuracy_after - accuracy_before:+.1f} points)[/bold]; strict "
+            f"{_percent(strict_before)} -> {_percent(strict_after)}; in "
             f"{summary['wall_seconds']:.0f} s; run directory {output_dir}"
         )
     return summary
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}%"
 
 
 def unsharded_copy(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -996,8 +1025,12 @@ def run_eval(
     engine = task_engine(cfg, model, tokenizer)
     accuracy = accuracy_rewards(cfg.rewards, cfg.task)
     length = cfg.trainer.eval_max_completion_length or cfg.rollout.max_completion_length
-    result = {"accuracy": evaluate_accuracy(engine, held_out, accuracy, length)}
-    console.print(f"accuracy (greedy): {result['accuracy']:.1f}% on {len(held_out)} problems")
+    greedy = evaluate_greedy(engine, held_out, accuracy, length)
+    result = {"accuracy": greedy.accuracy, "strict_accuracy": greedy.strict_accuracy}
+    console.print(
+        f"accuracy (greedy): {greedy.accuracy:.1f}% on {len(held_out)} problems; strict "
+        f"{greedy.strict_accuracy:.1f}% (the final answer exactly the reference)"
+    )
     if pass_at_k:
         key = f"pass@{pass_at_k}"
         result[key] = evaluate_pass_at_k(
