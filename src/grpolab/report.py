@@ -198,13 +198,8 @@ def sample_completions(records: list[dict[str, Any]], n: int = SAMPLES_PER_STEP)
         "the reference). A reward that pays where the strict check says no is being gamed.",
         "",
     ]
-    picked = {}  # step -> label; with fewer than three steps the earlier label wins
-    for step, when in (
-        (steps[-1], "late"),
-        (steps[len(steps) // 2], "middle"),
-        (steps[0], "early"),
-    ):
-        picked[step] = when
+    picked = {steps[len(steps) // 2]: "middle"}  # step -> label: first and last win ties
+    picked |= {steps[-1]: "late"} | {steps[0]: "early"}
     for step in sorted(picked):
         lines += [f"### Step {step} ({picked[step]})", ""]
         lines += ["| prompt | completion | answer | reward | strict |", "|---|---|---|---|---|"]
