@@ -158,19 +158,19 @@ class RewardDivergence:
         strict = metrics.get("strict_accuracy")
         if not _known(strict):
             return {}, []
-        gaps = {"monitor/accuracy_strict_gap": metrics.get("accuracy")}
+        # The fraction of the step's samples each measure calls right.
+        called_right = {"monitor/accuracy_strict_gap": metrics.get("accuracy")}
         reward = metrics.get("reward/mean")
         if self.scale is not None and _known(reward):
             wrong, right = self.scale
-            gaps["monitor/reward_strict_gap"] = min(
-                1.0, max(0.0, (reward - wrong) / (right - wrong))
-            )
+            fraction = (reward - wrong) / (right - wrong)
+            called_right["monitor/reward_strict_gap"] = min(1.0, max(0.0, fraction))
         recorded, warnings = {}, []
         for key, name, why in self.GAPS:
-            if not _known(gaps.get(key)):
+            if not _known(called_right.get(key)):
                 continue
             window = self.history[key]
-            window.append(gaps[key] - strict)
+            window.append(called_right[key] - strict)
             recorded[key] = mean = sum(window) / len(window)
             limit = self.limits.reward_strict_gap
             if len(window) == window.maxlen and mean > limit:
