@@ -60,7 +60,7 @@ def test_a_reward_that_accepts_the_echoed_question_fails_the_preflight():
     out = preflight(f"rewards.functions=[{mutant}]", *SMALL)
     assert out.returncode == 1, out.stderr[-2000:]
     text = " ".join(out.stdout.split())  # the table wraps; the FAIL lines name it all
-    assert "FAIL rewards.echo: rows where not: the prompt echoed or restated scores below" in text
+    assert "FAIL rewards.echo: rows where the prompt echoed or restated scores as much" in text
     assert "first: reward 'evaluated_accuracy' gives the question restated as an expression" in text
     assert "on train row 0 (" in text and "likely bug: a reward accepts the prompt echoed" in text
     assert "FAIL rewards.reference" not in text and "FAIL rewards.wrong_answer" not in text

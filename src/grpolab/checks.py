@@ -728,16 +728,16 @@ def check_reward_probes(report: ProbeReport):
         about += f"; not answer-checking (probed for the first demand only): {', '.join(others)}"
     if report.not_probed:
         about += f"; not probed (need token ids): {', '.join(report.not_probed)}"
-    for id, findings, demand in (
-        (REWARD_PROBES[0], probes.reference_findings(report), "no probe scores above the "
+    for id, findings, breach in (
+        (REWARD_PROBES[0], probes.reference_findings(report), "a probe scores above the "
          "reference answer"),
-        (REWARD_PROBES[1], probes.wrong_findings(report), "a wrong answer scores below the "
-         "reference"),
+        (REWARD_PROBES[1], probes.wrong_findings(report), "a wrong answer scores as much as "
+         "the reference"),
         (REWARD_PROBES[2], probes.echo_findings(report), "the prompt echoed or restated "
-         "scores below the reference"),
+         "scores as much as the reference"),
     ):  # fmt: skip
         bad_rows = len({f.row for f in findings})
-        what = f"rows where not: {demand} ({about})"
+        what = f"rows where {breach} ({about})"
         failed = {n: e for n, e in report.errors.items() if e} if id == REWARD_PROBES[0] else {}
         if failed:  # a function that fails on the probes cannot be asked anything
             name, n = next(iter(failed.items()))
@@ -748,7 +748,7 @@ def check_reward_probes(report: ProbeReport):
             )
         elif findings:
             more = f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""
-            what = f"rows where not: {demand}; first: {findings[0].sentence()}{more}"
+            what = f"rows where {breach}; first: {findings[0].sentence()}{more}"
         yield _result(id, 0, what, bad_rows, f"0 of {rows}", not findings and not failed)
 
 
