@@ -76,7 +76,40 @@ def test_divergence_waits_for_a_full_window_and_names_the_gap():
     assert gaps == {"monitor/accuracy_strict_gap": 0.0, "monitor/reward_strict_gap": 1.0}
     (w,) = warnings
     assert w.startswith(f"step {window}: rewarded-as-right fraction - strict_accuracy = 1 ")
-    assert "gamed reward" in w and "expected <= 0.2" in w
+    assert "gamed reward" in w and "expected <= 0.1" in w
+
+
+# (reward/mean, accuracy, strict_accuracy) of the first 9 steps of a real run: SmolLM2-135M-
+# Instruct, chat-template "What is 59 + 63?" prompts, 8 prompts x G=8, lr 1e-5, trained on
+# tests/mutants/reward_accepts_echo.py (math-verify on the whole completion). The reward pays
+# for restated sums ("To add 19 + 92, ...") while the built-in accuracy and the strict check
+# agree on every step.
+GAMED_RUN = [
+    (0.125, 0.015625, 0.015625),
+    (0.1875, 0.0, 0.0),
+    (0.125, 0.0, 0.0),
+    (0.171875, 0.03125, 0.03125),
+    (0.234375, 0.046875, 0.046875),
+    (0.171875, 0.015625, 0.015625),
+    (0.203125, 0.015625, 0.015625),
+    (0.21875, 0.03125, 0.03125),
+    (0.171875, 0.015625, 0.015625),
+]
+
+
+def test_the_gamed_reward_of_a_real_run_is_caught_when_the_window_fills():
+    # The probes measured the mutant's scale as (0, 1): a wrong answer 0, the reference 1.
+    out = divergence_warnings(GAMED_RUN, scale=(0.0, 1.0))
+    window = MonitorLimits().divergence_window
+    assert not any(warnings for _, warnings in out[: window - 1])
+    gaps, warnings = out[window - 1]
+    assert gaps["monitor/reward_strict_gap"] == pytest.approx(0.16015625)  # as the run logged
+    assert gaps["monitor/accuracy_strict_gap"] == 0.0  # the built-in accuracy is honest
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"step {window}: rewarded-as-right fraction - strict_accuracy = 0.16 "
+    )
+    # Every later step warns too; the accuracy never does.
+    assert all(len(w) == 1 for _, w in out[window - 1 :])
 
 
 def test_the_reward_is_read_on_the_scale_the_probes_measured():

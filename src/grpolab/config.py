@@ -82,9 +82,10 @@ class TrainerConfig:
     monitor: str = "warn"
     monitor_clip_frac_max: float = 0.3
     monitor_zero_std_max: float = 0.95
-    # Rewarded-as-right fraction minus strict accuracy, mean of the last 10 steps: above it, the
-    # reward pays for answers that are not the reference (a gamed reward).
-    monitor_reward_strict_gap: float = 0.2
+    # Rewarded-as-right fraction minus strict accuracy, mean of the last 8 steps: above it, the
+    # reward pays for answers that are not the reference (a gamed reward). Raise it for tasks
+    # with symbolic answers, which math-verify matches and the text-exact strict check does not.
+    monitor_reward_strict_gap: float = 0.1
     num_threads: int | None = None  # torch CPU threads; None = torch's default
     report_to: list[str] = field(default_factory=list)  # tensorboard | wandb | trackio
     progress: bool = True  # progress bar with ETA

@@ -23,10 +23,14 @@ class MonitorLimits:
     clip_frac_max: float = 0.3  # a policy moving this far per step is unstable
     zero_std_max: float = 0.95  # groups with no reward variance teach nothing
     # Rewarded-as-right fraction minus strict accuracy, as a mean over `divergence_window`
-    # steps. An honest reward and the strict check disagree only where the reward accepts an
-    # equivalent writing (\frac{1}{2} for 0.5): a few percent of the samples.
-    reward_strict_gap: float = 0.2
-    divergence_window: int = 10
+    # steps. On numeric answers an honest reward and the strict check agree (the gap was 0 on
+    # every step of the demo and of a chat model's first steps); a reward that evaluated
+    # restated questions paid 11-19 % of a chat model's samples beyond the right ones from
+    # step 1 on. Averaging over steps keeps one lucky batch from warning. On symbolic answers
+    # (\sqrt{8} written 2\sqrt{2}) math-verify accepts what the text-exact strict check does
+    # not: raise the limit there.
+    reward_strict_gap: float = 0.1
+    divergence_window: int = 8
 
 
 def limits_for(trainer_cfg, model_dtype: str) -> MonitorLimits:
