@@ -597,7 +597,8 @@ def load_start_model(cfg: Config, device: torch.device):
         source.startswith((".", "/", "~")) or source.count("/") > 1  # a hub id is "org/name"
     ):
         raise FileNotFoundError(f"model.name_or_path={source!r} does not exist")
-    return load_policy(source, dtype=cfg.model.dtype, device=device)
+    m = cfg.model
+    return load_policy(source, m.dtype, device, gguf_file=m.gguf_file, cache_dir=m.cache_dir)
 
 
 def wide_console() -> Console:
