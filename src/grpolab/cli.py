@@ -157,8 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from grpolab.jsonout import json_stdout
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    with json_stdout(getattr(args, "json", False)):  # --json: stdout holds the JSON alone
+        return args.func(args)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from rich.table import Table
 from grpolab import checks
 from grpolab.checks import CheckResult, CoreImpl, PreflightBatch, PreflightSettings
 from grpolab.config import Config
+from grpolab.jsonout import print_json
 from grpolab.monitors import limits_for
 
 PREFLIGHT_ROWS = 32  # sequences in the preflight batch (whole groups, at least two)
@@ -363,7 +364,7 @@ def cmd_preflight(args) -> int:
         print(f"grpolab preflight: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(results_json(results, impl))
+        print_json(results_json(results, impl))
     else:
         print_results(results, console, impl)
     return 0 if all(r.passed for r in results) else 1

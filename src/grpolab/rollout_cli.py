@@ -21,6 +21,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from grpolab.jsonout import json_stdout, print_json
+
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "data" / "demo-warmup"
 
 
@@ -43,7 +45,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         print(f"grpolab: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(report, allow_nan=False))
+        print_json(json.dumps(report, allow_nan=False))
     else:
         print_report(report, console)
     return 0
@@ -67,14 +69,14 @@ def run_rollout(
     rewards = load_rewards(
         cfg.rewards, task=cfg.task, max_completion_length=cfg.rollout.max_completion_length
     )
-    model, tokenizer, model_name = load_model(cfg, console)
+    model, tokenizer, model_name, model_path = load_model(cfg, console)
     engine = build_engine(
         cfg.rollout,
         model,
         tokenizer,
         chat_template=cfg.task.chat_template,
         system_prompt=cfg.task.system_prompt,
-        model_path=cfg.model.name_or_path,
+        model_path=model_path,
     )
     examples = task.sample(min(n_prompts, len(task.train)), torch.Generator().manual_seed(cfg.seed))
     rollout = engine.generate([e.prompt for e in examples], G, cfg.rollout.sampling(cfg.seed))
@@ -104,25 +106,33 @@ def run_rollout(
 
 
 def load_model(cfg, console: Console):
-    """(model, tokenizer, name): the configured model; none configured: the built-in demo
-    model, or a random tiny one (with a note) when the demo checkpoint has not been built."""
-    from grpolab.models import build_char_tokenizer, build_tiny_model, load_policy
+    """(model, tokenizer, name, path): the configured model and the Hugging Face directory or
+    hub id it was read from (a GGUF model's converted directory), for an engine to start from;
+    none configured: the built-in demo model, or a random tiny one (with a note) when the demo
+    checkpoint has not been built, with no path (the engine starts from a saved copy)."""
+    from grpolab.models import (
+        build_char_tokenizer,
+        build_tiny_model,
+        load_policy,
+        resolve_model_source,
+    )
 
     device = cfg.model.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.model.name_or_path:
-        name = cfg.model.name_or_path
-        return (*load_policy(name, cfg.model.dtype, device), name)
+    m = cfg.model
+    if m.name_or_path:
+        path = resolve_model_source(m.name_or_path, m.gguf_file, m.cache_dir)
+        return (*load_policy(path, m.dtype, device), m.name_or_path, path)
     if (DEMO_MODEL_DIR / "config.json").is_file():
-        return (*load_policy(DEMO_MODEL_DIR, cfg.model.dtype, device), "the demo model")
+        return (*load_policy(DEMO_MODEL_DIR, m.dtype, device), "the demo model", None)
     console.print(
         f"[yellow]note:[/] no demo checkpoint at {DEMO_MODEL_DIR}: sampling from a randomly "
         "initialised tiny model (set model.name_or_path to use a real one)"
     )
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, seed=cfg.seed).to(device)
-    return model, tokenizer, "a random tiny model"
+    return model, tokenizer, "a random tiny model", None
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
@@ -162,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpolab")
     add_rollout_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["rollout", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    with json_stdout(args.json):
+        return args.func(args)
 
 
 if __name__ == "__main__":
