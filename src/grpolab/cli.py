@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from grpolab.jsonout import json_stdout
+    from grpolab.memory import limit_heap_retention
 
+    limit_heap_retention()
     args = build_parser().parse_args(argv)
     with json_stdout(getattr(args, "json", False)):  # --json: stdout holds the JSON alone
         return args.func(args)

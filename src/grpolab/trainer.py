@@ -45,6 +45,7 @@ from grpolab.checks import CoreImpl
 from grpolab.config import Config, objective_fields, to_dict, to_yaml, validate_world
 from grpolab.dist import Dist
 from grpolab.evaluate import accuracy_rewards, correct, evaluate_accuracy, evaluate_pass_at_k
+from grpolab.memory import limit_heap_retention, release_freed_memory
 from grpolab.models import load_policy
 from grpolab.monitors import check_step, limits_for
 from grpolab.preflight import preflight_gate
@@ -255,6 +256,7 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
     # 1. Rollout: eval mode, no grad, a per-step seed (a resumed run samples the same).
     tic = time.perf_counter()
+    run.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: not held meanwhile
     # Every rank draws the same global prompts and keeps its slice of whole groups.
     d = run.dist
     drawn = run.task.sample(t.prompts_per_step, run.data_gen)
@@ -717,6 +719,7 @@ def train(
     t = cfg.trainer
     wall_start = time.time()
     transformers.utils.logging.disable_progress_bar()
+    limit_heap_retention()
     if t.num_threads:
         torch.set_num_threads(t.num_threads)
     device = dist_module.local_device(resolve_device(cfg.model.device))
@@ -800,17 +803,20 @@ def train(
             "config checks the same quantities on one process"
         )
     preflight_gate(run, output_dir, console, skip=skip_preflight or sharded)
+    release_freed_memory()  # the preflight's copies and full-vocabulary logits
     tracker = Tracker(output_dir, t.report_to, to_dict(cfg), console, resume_step=start_step)
 
     def evaluate(label: str) -> float | None:
         if t.eval_examples == 0 or not task.eval:
             return None
         tic = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)  # the last step's gradients: not held meanwhile
         acc = evaluate_accuracy(
             engine,
             task.eval[: t.eval_examples],
             accuracy,
             t.eval_max_completion_length or cfg.rollout.max_completion_length,
+            batch_size=cfg.batch_size,  # no larger a KV cache than a training rollout's
         )
         console.print(
             f"held-out accuracy {label}: [bold]{acc:.1f}%[/bold] "
