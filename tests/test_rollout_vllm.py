@@ -142,3 +142,19 @@ def test_vllm_sync_is_verified_and_a_corrupted_weight_is_caught(trained):
     assert engine.last_sync_gap > 1e-3
     engine.sync_weights(model)  # a faithful sync afterwards passes again
     assert engine.last_sync_gap < 1e-4
+
+
+def test_rollout_json_with_vllm_keeps_stdout_for_the_json():
+    """vLLM logs to stdout; under --json those lines go to stderr, stdout is the object."""
+    import json
+    import subprocess
+    import sys
+
+    _require_vllm()
+    cmd = [sys.executable, "-m", "grpolab", "rollout", "--json", "--n-prompts", "2"]
+    args = ["rollout.engine=vllm", "rollout.vllm_max_model_len=64", "trainer.num_generations=2"]
+    out = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(out.stdout.splitlines()) == 1, out.stdout[:2000]
+    assert len(json.loads(out.stdout)["samples"]) == 4
+    assert "INFO" in out.stderr  # vLLM's log went somewhere: to stderr
