@@ -36,8 +36,9 @@ def json_stdout(active: bool = True) -> Iterator[None]:
 
 
 def print_json(text: str) -> None:
-    """`text` and a newline on the command's stdout (the real one under json_stdout())."""
-    if _real_stdout is None:
+    """`text` and a newline on the command's stdout: the real one under json_stdout(), unless
+    sys.stdout was replaced (redirect_stdout, a test's capture), which then gets it."""
+    if _real_stdout is None or sys.stdout is not sys.__stdout__:
         print(text, flush=True)
         return
     data = (text + "\n").encode()
