@@ -119,6 +119,7 @@ def collect(run: Run, step: int) -> StepBatch:
     G = cfg.trainer.num_generations
     timings = {}
     tic = time.perf_counter()
+    run.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: not held meanwhile
     # Every rank draws the same global prompts and keeps its slice of whole groups.
     drawn = run.task.sample(cfg.trainer.prompts_per_step, run.prompt_generator)
     examples = drawn[dist_module.rank_slice(len(drawn), d)]
