@@ -173,9 +173,9 @@ def test_two_ranks_equal_one_process(tmp_path, one_process, mode):
 @pytest.fixture(scope="module")
 def one_process_vllm(tmp_path_factory):
     """One process, one vLLM engine: the same two steps and the same LoRA run as the ranks."""
-    from test_rollout_vllm import _require_vllm
+    from need_vllm import require_vllm
 
-    _require_vllm()
+    require_vllm()
     out = tmp_path_factory.mktemp("one-vllm")
     torch.set_num_threads(1)
     steps = vllm_steps(load_config(None, vllm_overrides(out / "unused", "fsdp")))

@@ -143,9 +143,9 @@ def test_lora_under_fsdp_is_refused_and_allowed_under_ddp(tmp_path):
 def test_vllm_rollouts_sample_the_merged_policy(tmp_path):
     """The engine gets W + scaling * B @ A for every adapted layer, checked by the canary after
     every sync; a sync that forgets the adapters is caught by that check."""
-    from test_rollout_vllm import _require_vllm
+    from need_vllm import require_vllm
 
-    _require_vllm()
+    require_vllm()
     from grpolab.rollout.vllm import WeightSyncError, engine_state_dict
 
     cfg = lora_config(tmp_path, "rollout.engine=vllm", "rollout.vllm_max_model_len=64")

@@ -149,4 +149,4 @@ def test_rollout_json_with_vllm_keeps_stdout_for_the_json():
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(out.stdout.splitlines()) == 1, out.stdout[:2000]
     assert len(json.loads(out.stdout)["samples"]) == 4
-    assert "INFO" in out.stderr  # vLLM's log went somewhere: to stderr
+    assert "Loading" in out.stderr  # what vLLM printed went somewhere: to stderr
