@@ -75,9 +75,10 @@ def check_split_invariance(impl: CoreFunctions, model, batch: PreflightBatch, s:
 
     def loss_of(rows: torch.Tensor) -> torch.Tensor:
         logp, mask = impl.sequence_logprobs(model, *(a[rows] for a in tensors), o.temperature)
+        kwargs = o.loss_kwargs() | {"beta": 0.0, "max_completion_length": L}
         loss, _ = impl.grpo_loss(
             logp, logp.detach() + 0.05, None, advantages[rows], mask,
-            **o.loss_kwargs() | {"beta": 0.0, "max_completion_length": L},
+            **core.accepted_kwargs(impl.grpo_loss, kwargs),
         )  # fmt: skip
         return loss
 
@@ -179,9 +180,10 @@ def check_worst_case_memory(impl: CoreFunctions, model, cfg: Config, rows: int, 
     logp, mask = impl.sequence_logprobs(
         model, input_ids, attention_mask, completion_mask, cfg.rollout.temperature or 1.0
     )
+    kwargs = cfg.objective.loss_kwargs() | {"beta": 0.0}
     loss, _ = impl.grpo_loss(
         logp, logp.detach(), None, torch.ones(rows, device=device), mask,
-        **cfg.objective.loss_kwargs() | {"beta": 0.0},
+        **core.accepted_kwargs(impl.grpo_loss, kwargs),
     )  # fmt: skip
     loss.backward()
     model.zero_grad(set_to_none=True)
