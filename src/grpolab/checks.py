@@ -521,14 +521,8 @@ def _clip_case(s: PreflightSettings):
 def _reference_policy(logp_new, logp_old, adv, mask, o: Objective):
     """float64 per-token loss [B, T] of the declared surrogate (differentiable w.r.t.
     logp_new), and the tokens where its clip (CISPO: its cap with A > 0) is active."""
-    new, old = logp_new.double(), logp_old.double()
-    valid = mask.bool()
-    log_ratio = torch.where(valid, new - old, torch.zeros_like(new))
-    if o.log_ratio_clamp is not None:
-        log_ratio = log_ratio.clamp(-o.log_ratio_clamp, o.log_ratio_clamp)
-    if o.importance_sampling_level == "sequence":
-        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
-    ratio = torch.exp(log_ratio)
+    new, valid = logp_new.double(), mask.bool()
+    ratio = _reference_ratio(new, logp_old, mask, o)
     A = adv.double().unsqueeze(1)
     if o.surrogate == "cispo":
         weight = ratio.clamp(max=o.epsilon_high).detach()

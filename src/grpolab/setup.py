@@ -221,6 +221,10 @@ def check_functions_support(functions: CoreFunctions, cfg: Config) -> None:
     }
     if cfg.trainer.tis_cap is not None:
         needs["grpo_loss"].append("token_weights")
+        if o.tis_mode != "token_truncate":
+            needs["tis_weights"] = ["mode"]
+    if o.entropy_coef:
+        needs["grpo_loss"].append("entropy")
     for name, keys in needs.items():
         fn, source = getattr(functions, name), functions.source.get(name, "grpolab")
         params = inspect.signature(fn).parameters
@@ -228,9 +232,12 @@ def check_functions_support(functions: CoreFunctions, cfg: Config) -> None:
             continue
         missing = [k for k in keys if k not in params]
         if missing:
-            key = {"token_weights": "tis_cap", "estimator": "advantage_estimator"}.get(
-                missing[0], missing[0]
-            )
+            key = {
+                "token_weights": "tis_cap",
+                "estimator": "advantage_estimator",
+                "mode": "tis_mode",
+                "entropy": "entropy_coef",
+            }.get(missing[0], missing[0])
             value = getattr(cfg.trainer, key, None)
             raise ValueError(
                 f"trainer.{key}={value} needs a {name} that takes {', '.join(missing)}; the one "
