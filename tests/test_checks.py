@@ -231,3 +231,9 @@ def test_an_error_is_reported_under_the_check_it_interrupted(tmp_path, model_and
     assert results["logprobs.shift"].passed  # measured before the failure: kept
     failed = results["logprobs.float32"]
     assert not failed.passed and failed.error_line == 7 and "no bf16 here" in failed.error
+
+
+def test_every_declared_only_check_has_a_hint_and_a_mutant_or_a_declared_run():
+    assert checks.DECLARED_ONLY <= set(checks.HINTS)
+    caught = {check for check, _ in MENU_CAUGHT_BY.values()}
+    assert checks.DECLARED_ONLY - caught <= {"entropy.values"}  # a real model's entropy

@@ -1155,6 +1155,27 @@ FAMILIES = {
 }  # the seed objective's; `families` gives the declared objective's
 
 
+# Checks that run only where the objective declares something beyond the seed's (a profile's
+# convention, an option of the menu): the drill, on the seed's objective, never meets them.
+DECLARED_ONLY = frozenset(
+    {
+        "advantages.sample_std",
+        "advantages.estimator",
+        "gspo.ratio",
+        "gspo.length_weighting",
+        "cispo.gradient",
+        "clip.delta",
+        "clip.dual_clip",
+        "kl.convention",
+        "engine.is_weights",
+        "dynamic_sampling.normaliser",
+        "truncation.mask",
+        "entropy.bonus",
+        "entropy.values",
+    }
+)
+
+
 def families(o: Objective) -> dict[int, tuple[str, ...]]:
     """Each goal's check ids, in the order they run, for the declared objective."""
     return FAMILIES | {2: advantage_ids(o), 4: clip_ids(o)}
