@@ -264,7 +264,7 @@ def verl_side(batch: Batch, estimator: str = "grpo", loss_mode: str = "vanilla")
     kl_loss = core_algos.agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=agg)
     loss = pg_loss + kl_loss * config.kl_loss_coef
     loss.backward()
-    return _per_sequence(token_adv, batch.mask), float(loss), leaf.grad
+    return _per_sequence(token_adv, batch.mask), float(loss.detach()), leaf.grad
 
 
 def _per_sequence(token_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -326,7 +326,7 @@ def openrlhf_side(batch: Batch, estimator: str = "group_norm"):
     kl_loss = loss_module.aggregate_loss(kl, batch.mask)
     loss = actor_loss + kl_loss * BETA
     loss.backward()
-    return _per_sequence(token_adv, batch.mask), float(loss), leaf.grad
+    return _per_sequence(token_adv, batch.mask), float(loss.detach()), leaf.grad
 
 
 # --- The table -------------------------------------------------------------------------------
