@@ -209,8 +209,12 @@ def _policy_kwargs(o: Objective) -> dict:
 
 def _advantage_kwargs(o: Objective, lengths: torch.Tensor | None = None) -> dict:
     """group_advantages's keywords for the declared objective: eps, the conventions and the
-    estimator (scale is the group's: the checks measure per-group statistics)."""
-    kwargs = o.advantage_kwargs() | {"scale": "group"}
+    estimator (scale left at its default, the group's: the checks measure per-group
+    statistics)."""
+    kwargs = o.advantage_kwargs()
+    del kwargs["scale"]  # the function's default: group
+    if kwargs["eps"] == 1e-4:  # the seed's default: a function without eps is checked as before
+        del kwargs["eps"]
     if o.advantage_estimator == "reinforce_pp" and lengths is not None:
         kwargs["lengths"] = lengths
     return kwargs
