@@ -10,11 +10,11 @@ peer computes its own from the same rewards and log-probs; the table is the max 
 
 The peers' code, as installed (`scripts/setup.sh` puts verl and OpenRLHF without their
 dependencies into .venv/peers; TRL is a test dependency):
-  TRL 1.16      the loss and gradient: `GRPOTrainer.compute_loss` itself (its log-prob forward
-                replaced by the batch's log-probs, so both sides differentiate the same tensor);
-                the advantages: the lines of `GRPOTrainer._generate_and_score_completions`
-                that compute them (scale_rewards="group", sum_then_normalize), run with TRL's
-                own `nanstd`: that method also generates and scores, so it is not called whole.
+  TRL 1.16      the advantages: `GRPOTrainer._generate_and_score_completions` itself, its
+                `_generate` replaced by the batch's token ids and its reward function
+                returning the batch's rewards; the loss and gradient: `compute_loss` itself,
+                its log-prob forward replaced by the batch's log-probs, so both sides
+                differentiate the same tensor.
   verl 0.9      `compute_grpo_outcome_advantage`, `compute_rloo_outcome_advantage`,
                 `compute_reinforce_plus_plus_baseline_outcome_advantage`, the policy losses
                 (`get_policy_loss_fn`: vanilla, gspo), `kl_penalty` and `agg_loss` from
@@ -143,18 +143,18 @@ def grpolab_side(batch: Batch, overrides: list[str]):
 # --- TRL -------------------------------------------------------------------------------------
 
 
-def trl_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """GRPOTrainer._generate_and_score_completions (trl 1.16.0, trl/trainer/grpo_trainer.py,
-    the sum_then_normalize branch with scale_rewards="group"), with TRL's own nanstd."""
-    from trl.trainer.utils import nanstd
-
-    mean_grouped_rewards = torch.nanmean(rewards.view(-1, G), dim=1)
-    mean_grouped_rewards = mean_grouped_rewards.repeat_interleave(G, dim=0)
-    std_rewards = nanstd(rewards.view(-1, G), dim=1)
-    std_rewards = std_rewards.repeat_interleave(G, dim=0)
-    advantages = rewards - mean_grouped_rewards
-    advantages = advantages / (std_rewards + 1e-4)
-    return torch.nan_to_num(advantages, nan=0.0)
+def trl_advantages(trainer, batch: Batch) -> torch.Tensor:
+    """TRL's own GRPOTrainer._generate_and_score_completions on the batch: its generation
+    replaced by the batch's token ids, its reward function returning the batch's rewards."""
+    B = len(batch.rewards)
+    rows = zip(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.mask, strict=True)
+    prompts, completions = [], []
+    for prompt_ids, prompt_mask, completion_ids, mask in rows:
+        prompts.append(prompt_ids[prompt_mask.bool()].tolist())
+        completions.append(completion_ids[mask.bool()].tolist())
+    trainer._generate = lambda _: (prompts, completions, None, ["."] * B, None, {}, None, None)
+    inputs = [{"prompt": ".", "reward": float(r)} for r in batch.rewards]
+    return trainer._generate_and_score_completions(inputs)["advantages"]
 
 
 def trl_side(batch: Batch, advantages: torch.Tensor | None = None, **config):
@@ -167,7 +167,6 @@ def trl_side(batch: Batch, advantages: torch.Tensor | None = None, **config):
     from grpolab.setup import DEMO_MODEL_DIR
 
     transformers.utils.logging.set_verbosity_error()
-    advantages = trl_advantages(batch.rewards) if advantages is None else advantages
     model, tokenizer = load_policy(str(DEMO_MODEL_DIR), dtype="float32", device="cpu")
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
@@ -183,16 +182,18 @@ def trl_side(batch: Batch, advantages: torch.Tensor | None = None, **config):
         )
         trainer = GRPOTrainer(
             model=model,
-            reward_funcs=lambda completions, **_: [0.0] * len(completions),
+            reward_funcs=lambda completions, reward, **_: list(reward),
             args=args,
-            train_dataset=Dataset.from_dict({"prompt": ["1+1="] * G}),
+            train_dataset=Dataset.from_dict({"prompt": ["."] * G, "reward": [0.0] * G}),
             processing_class=tokenizer,
         )
+        trainer.model.train()
+        if advantages is None:
+            advantages = trl_advantages(trainer, batch)
         leaf = batch.logp.clone().requires_grad_(True)
         entropies = torch.zeros_like(leaf)
         # TRL's own loss on the batch's log-probs: its forward replaced, nothing else.
         trainer._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, entropies, None)
-        trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1
         inputs = {
             "prompt_ids": batch.prompt_ids,
