@@ -3,6 +3,7 @@
 import pytest
 import torch
 from layout import rollout_layout
+from tolerances import logprob_tolerance
 
 from grpolab import core
 from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
@@ -39,7 +40,7 @@ def test_equals_minus_the_models_own_labels_loss(model, tokenizer):
             ce = model(input_ids=ids[i][keep][None], labels=labels[None]).loss
             n = int(mask[i].sum())
             ours = (logp[i] * mask[i]).sum() / n
-            torch.testing.assert_close(ours, -ce, atol=1e-5, rtol=0)
+            torch.testing.assert_close(ours, -ce, atol=logprob_tolerance(model), rtol=0)
 
 
 def test_mask_is_the_completion_shifted_by_one(tokenizer, model):
@@ -60,8 +61,12 @@ def test_left_padding_does_not_change_logprobs(model, tokenizer):
             alone, m = core.sequence_logprobs(
                 model, ids[i][keep][None], attn[i][keep][None], comp[i][keep][None]
             )
+            # The padding changes the shapes the kernels reduce over, not the value.
             torch.testing.assert_close(
-                batched[i][mask[i].bool()], alone[0][m[0].bool()], atol=1e-5, rtol=0
+                batched[i][mask[i].bool()],
+                alone[0][m[0].bool()],
+                atol=logprob_tolerance(model),
+                rtol=0,
             )
 
 
@@ -73,7 +78,8 @@ def test_temperature_divides_the_logits(model, tokenizer):
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, :-1]
         ref = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, ids[:, 1:, None])[..., 0]
         plain, _ = core.sequence_logprobs(model, ids, attn, comp)
-    torch.testing.assert_close(logp.double(), ref, atol=1e-5, rtol=0)
+    # The same logits (the same forward), a float32 against a float64 log-softmax.
+    torch.testing.assert_close(logp.double(), ref, atol=logprob_tolerance(model, 0.7), rtol=0)
     assert (logp - plain).abs().max() > 1e-2  # temperature 0.7 is not temperature 1
 
 
@@ -88,8 +94,9 @@ def test_bf16_model_gives_float32_matching_a_float64_reference(tokenizer):
         ref = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, 1:, None])[..., 0]
         bf16 = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
     assert logp.dtype == torch.float32
-    torch.testing.assert_close(logp.double(), ref, atol=1e-5, rtol=0)
-    assert (bf16.double() - ref).abs().max() > 1e-4  # what the float32 cast protects against
+    tol = logprob_tolerance(model)  # float32 rounding of a log-softmax of these logits
+    torch.testing.assert_close(logp.double(), ref, atol=tol, rtol=0)
+    assert (bf16.double() - ref).abs().max() > 10 * tol  # what the float32 cast protects against
 
 
 def test_gradient_flows_only_through_completion_tokens(model, tokenizer):

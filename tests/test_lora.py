@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from finished_runs import assert_same_run
+from tolerances import assert_float32_close, float32_tolerance, logprob_tolerance
 
 pytest.importorskip("peft")
 
@@ -62,7 +63,8 @@ def test_two_steps_train_only_the_adapters_against_the_base_reference(tmp_path):
             start, batch.input_ids, batch.attention_mask, batch.completion_mask
         )
         gap = (batch.logp_ref - expected).abs()[mask.bool()].max()
-        assert gap <= 1e-5, f"step {step}: logp_ref differs from the base model by {gap}"
+        tol = logprob_tolerance(start)  # the adapters switched off against a plain forward
+        assert gap <= tol, f"step {step}: logp_ref differs from the base model by {gap}"
 
     after_base = base_weights(run.model)
     assert after_base.keys() == before_base.keys()
@@ -108,11 +110,12 @@ def test_the_checkpoint_is_the_merged_policy(tmp_path):
         ours, mask = core.sequence_logprobs(run.model.eval(), *args)
         theirs, _ = core.sequence_logprobs(merged, *args)
     gap = (ours - theirs).abs()[mask.bool()].max()
-    assert gap <= 1e-5, f"merged checkpoint differs from the trained adapter model by {gap}"
+    tol = logprob_tolerance(merged)  # W x + s B A x against (W + s B A) x
+    assert gap <= tol, f"merged checkpoint differs from the trained adapter model by {gap}"
     # and the merge is not a no-op: the base model gives other log-probs
     with torch.no_grad(), run.model.disable_adapter():
         base, _ = core.sequence_logprobs(run.model, *args)
-    assert (base - theirs).abs()[mask.bool()].max() > 1e-6
+    assert (base - theirs).abs()[mask.bool()].max() > tol
 
 
 @pytest.mark.parametrize(
@@ -151,16 +154,20 @@ def test_vllm_rollouts_sample_the_merged_policy(tmp_path):
     try:
         for step in (1, 2):
             metrics, _ = grpo_step(run, step)
-            assert metrics["skipped"] == 0 and metrics["engine/sync_gap"] < 1e-4
+            # The canary: vLLM's log-probs of the merged weights against the trainer's.
+            tol = logprob_tolerance(run.model)
+            assert metrics["skipped"] == 0 and metrics["engine/sync_gap"] <= tol
         merged = engine_state_dict(run.model)
         reference = copy.deepcopy(run.model).merge_and_unload().state_dict()  # peft's own merge
         assert merged.keys() == reference.keys()
+        r = cfg.trainer.lora_r  # W + s * B @ A: an r-term product added to W, in another order
         for name, tensor in reference.items():
-            torch.testing.assert_close(merged[name], tensor, atol=1e-6, rtol=0, msg=name)
+            assert_float32_close(merged[name], tensor, terms=r, name=name)
         inner = base_weights(run.model.get_base_model())
         base = {k.replace(".base_layer.", "."): v for k, v in inner.items()}
         name = "model.layers.0.self_attn.q_proj.weight"
-        assert (merged[name] - base[name]).abs().max() > 1e-6  # the adapters have moved
+        moved = (merged[name] - base[name]).abs().max()
+        assert moved > float32_tolerance(float(base[name].abs().max()), r)  # the adapters moved
         run.engine.load_weights(base)  # the adapters left out
         with pytest.raises(WeightSyncError, match="not running the trainer's weights"):
             run.engine.check_sync(run.model)
@@ -192,8 +199,11 @@ def test_engine_prefills_once_per_prompt_on_a_lora_model(tmp_path):
     plain = HFEngine(run.model, tokenizer, shared_prefill=False).generate(
         ["12+34=", "5+6="], 4, params
     )
+    # The same draws pick the same tokens: the two prefills' logits are float32 rounding apart,
+    # which changes a token only for a draw within ~1e-6 of the boundary between two.
     assert torch.equal(shared.input_ids, plain.input_ids)
     logp, mask = core.sequence_logprobs(
         run.model, shared.input_ids, shared.attention_mask, shared.completion_mask
     )
-    torch.testing.assert_close(shared.engine_logprobs, logp * mask, atol=1e-5, rtol=0)
+    tol = logprob_tolerance(run.model)
+    torch.testing.assert_close(shared.engine_logprobs, logp * mask, atol=tol, rtol=0)

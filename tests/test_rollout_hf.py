@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import logprob_tolerance
 
 from grpolab import core
 from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
@@ -11,6 +12,7 @@ from grpolab.rollout import SamplingParams
 from grpolab.rollout.hf import HFEngine
 
 PROMPTS = ["37+48=", "5+6=", "a longer prompt here:"]
+EOS_BIAS = 4.0  # added to the EOS logit by eos_biased_model
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +20,7 @@ def tokenizer():
     return build_char_tokenizer()
 
 
-def eos_biased_model(tokenizer, bias: float = 4.0, seed: int = 0):
+def eos_biased_model(tokenizer, bias: float = EOS_BIAS, seed: int = 0):
     """A tiny Llama whose lm_head favours EOS, so that completions of many lengths occur."""
     model = build_tiny_model(tokenizer, TinyModelSpec(), seed=seed)
     shift = torch.zeros(len(tokenizer))
@@ -83,7 +85,9 @@ def test_engine_logprobs_equal_sequence_logprobs(model, tokenizer, params):
     )
     assert torch.equal(mask, r.completion_mask[:, 1:].float())
     assert (r.engine_logprobs[mask == 0] == 0).all()
-    torch.testing.assert_close(r.engine_logprobs, logp * mask, atol=1e-4, rtol=0)
+    # The engine's decode (a KV cache, one token at a time) against one forward of the batch.
+    tol = logprob_tolerance(model, params.temperature, logit_shift=EOS_BIAS)
+    torch.testing.assert_close(r.engine_logprobs, logp * mask, atol=tol, rtol=0)
 
 
 def test_top_k_truncates_sampling_but_not_the_reported_distribution(model, tokenizer):
@@ -133,7 +137,8 @@ def test_checkpoint_generation_config_does_not_change_sampling(tokenizer):
     r = HFEngine(model, tokenizer).generate(PROMPTS, 2, params)
     assert model.generation_config.repetition_penalty == 5.0  # restored
     logp, mask = core.sequence_logprobs(model, r.input_ids, r.attention_mask, r.completion_mask)
-    torch.testing.assert_close(r.engine_logprobs, logp * mask, atol=1e-4, rtol=0)
+    tol = logprob_tolerance(model, logit_shift=EOS_BIAS)
+    torch.testing.assert_close(r.engine_logprobs, logp * mask, atol=tol, rtol=0)
 
 
 def test_chat_template(model, tokenizer):
@@ -150,7 +155,8 @@ def test_chat_template(model, tokenizer):
     assert tok.decode(r.input_ids[0, :P].tolist()) == rendered
     assert r.prompts == ["1+1=", "1+1="]  # as given, before templating
     logp, mask = core.sequence_logprobs(model, r.input_ids, r.attention_mask, r.completion_mask)
-    torch.testing.assert_close(r.engine_logprobs, logp * mask, atol=1e-4, rtol=0)
+    tol = logprob_tolerance(model, logit_shift=EOS_BIAS)
+    torch.testing.assert_close(r.engine_logprobs, logp * mask, atol=tol, rtol=0)
     with pytest.raises(ValueError, match="no chat_template"):
         HFEngine(model, tokenizer, chat_template=True).generate(["x"], 2, SamplingParams())
 

@@ -287,13 +287,20 @@ def check_logprobs(impl: CoreFunctions, model, batch: PreflightBatch, s: Preflig
     reference = _reference_logprobs(bf16, batch, 1.0)
     del bf16
     gap = _max_abs((logp_bf16.double() - reference)[comp])
-    ok = logp_bf16.dtype == torch.float32 and gap <= 1e-4
+    # Not the gap: another forward of a bf16 model (the trainer's shared prompt, another CPU's
+    # kernels) rounds its logits differently, by up to ~1e-3 here, hiding the bug's ~1e-2. What
+    # shows it on any path: a bf16 log-softmax returns values on bf16's grid (8 significant
+    # bits), where float32 arithmetic lands only by chance (a few percent of |logp| > 1e-2).
+    values = logp_bf16[comp & (logp_bf16.abs() > 1e-2)].float()
+    on_grid = (values == values.bfloat16().float()).double().mean().item() if len(values) else 0.0
+    ok = logp_bf16.dtype == torch.float32 and on_grid < 0.5
     yield _result(
         "logprobs.float32",
         1,
-        f"bf16 model: dtype {str(logp_bf16.dtype).removeprefix('torch.')}, max gap to float64",
-        gap,
-        "float32, <= 1e-4",
+        f"bf16 model: dtype {str(logp_bf16.dtype).removeprefix('torch.')}, share of log-probs "
+        f"on the bf16 grid (max gap to float64 {gap:.1e})",
+        on_grid,
+        "float32, < 0.5",
         ok,
     )
 
