@@ -40,8 +40,15 @@ from dataclasses import asdict, dataclass
 import torch
 
 VARIANTS = ("naive", "rowloop", "trl_chunked", "fused", "floor")
-# A tiny model's head, Qwen's vocabulary with a narrow and with Qwen2.5-0.5B's hidden size.
-DEFAULT_SHAPES = ("512x64x32768", "1024x128x151936", "256x896x151936")
+# A tiny model's head, Qwen's vocabulary with a narrow and with Qwen2.5-0.5B's hidden size,
+# SmolLM2-135M's head (H = 576, V = 49,152) at fewer and at more tokens than hidden units.
+DEFAULT_SHAPES = (
+    "512x64x32768",
+    "1024x128x151936",
+    "256x896x151936",
+    "256x576x49152",
+    "1024x576x49152",
+)
 # Qwen2.5-0.5B's lm-head (H = 896, V = 151,936) at 16 x 512 and 64 x 512 completion tokens.
 PRESETS = {"qwen0.5b": ("8192x896x151936", "32768x896x151936")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

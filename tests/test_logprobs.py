@@ -21,6 +21,7 @@ from grpolab.logprobs import (
     Chunks,
     choose_chunks,
     fused_token_logprobs,
+    kept_chunks,
     split_model,
     token_logprobs,
 )
@@ -78,6 +79,71 @@ def test_fp32_values_and_gradients_equal_naive(token_chunk, vocab_chunk, tempera
         torch.testing.assert_close(got, want, **FP32)
 
 
+def _confident_problem(seed: int, n=64, h=64, v=4096):
+    """Every target its row's argmax by a lead of 16-26 (1 - p from 1e-9 to 1e-2: the tokens
+    a model samples confidently), on an offset of 30 shared by every logit (|z| ~ 60: one
+    float32 ulp of a logit is larger than 1 - p)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(v, h, generator=gen) / h**0.5
+    weight[:, 0] = 1.0
+    targets = torch.randint(0, v, (n,), generator=gen)
+    lead = 16 + 10 * torch.rand(n, 1, generator=gen)
+    along = weight[targets] / (weight[targets, 1:] ** 2).sum(1, keepdim=True)
+    hidden = 0.5 * torch.randn(n, h, generator=gen) + lead * along
+    hidden[:, 0] = 30.0
+    g = torch.randn(n, generator=gen) / n
+    return hidden.requires_grad_(), weight.requires_grad_(), targets, g
+
+
+@pytest.mark.parametrize(("token_chunk", "vocab_chunk"), [(None, None), (7, 1000)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(("seed", "n"), [(0, 64), (1, 96)])  # logits kept / recomputed
+def test_confident_tokens_keep_float32_precision(token_chunk, vocab_chunk, temperature, seed, n):
+    """Against float64 on the same float32 inputs, with the rounding bounds of float32:
+    a logit (a dot product of H terms, then / T) is off by at most (H + 1) u A, with
+    u = 2^-24 and A = max_j sum_k |h_k w_jk| / T; every p_j and 1 - p of the target, made
+    of differences of two logits, relatively by delta = 4 (H + 1) u A + 16 u; log p of a
+    token with p >= 1/2 (-log1p of those) relatively by half that. A gradient entry sums V
+    (or N) such terms: off by at most (delta + V u) times the sum of their magnitudes.
+    The seed's log-softmax (1 - p formed as 1 - exp(log p), off by u / (1 - p)) misses
+    these bounds by 100x and more; the fused path must meet them, and be no worse."""
+    hidden, weight, targets, g = _confident_problem(seed, n=n)
+    all_kept = kept_chunks(n, weight, choose_chunks(n, weight.shape[0])) == 1
+    assert all_kept == (n <= 64)
+    H, V, N = hidden.shape[1], weight.shape[0], hidden.shape[0]
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    logp64 = torch.log_softmax(h64 @ w64.t() / temperature, -1).gather(-1, targets[:, None])[:, 0]
+    grads64 = _grads((logp64 * g.double()).sum(), h64, w64)
+    u = 2.0**-24
+    A = float((hidden.detach().double().abs() @ weight.detach().double().abs().t()).max())
+    A /= temperature
+    delta = 4 * (H + 1) * u * A + 16 * u
+
+    def errors(logp, grads):
+        relative_logp = ((logp.double() - logp64).abs() / logp64.abs()).max().item()
+        grad_errors = [(a.double() - b).abs() for a, b in zip(grads, grads64, strict=True)]
+        return relative_logp, grad_errors
+
+    fused = fused_token_logprobs(
+        hidden, weight, targets, temperature, token_chunk=token_chunk, vocab_chunk=vocab_chunk
+    )
+    naive = naive_token_logprobs(hidden, weight, targets, temperature)[0]
+    fused_logp, fused_grads = errors(fused, _grads((fused * g).sum(), hidden, weight))
+    naive_logp, naive_grads = errors(naive, _grads((naive * g).sum(), hidden, weight))
+
+    with torch.no_grad():
+        assert (-logp64.expm1()).max() < 1e-2  # every token confident
+        p = torch.softmax(h64 @ w64.t() / temperature, -1)  # [N, V]
+        b = p.scatter_add(1, targets[:, None], -torch.ones(N, 1, dtype=p.dtype)).abs()
+        g_abs = g.double().abs()[:, None] / temperature
+        bound_h = (delta + V * u) * g_abs * (b @ w64.abs())  # [N, H]
+        bound_w = (delta + N * u) * (b * g_abs).t() @ h64.abs()  # [V, H]
+    assert fused_logp <= delta / 2
+    assert (fused_grads[0] <= bound_h).all() and (fused_grads[1] <= bound_w).all()
+    assert fused_logp <= naive_logp
+    assert all(f.max() <= n.max() for f, n in zip(fused_grads, naive_grads, strict=True))
+
+
 @pytest.mark.parametrize(("token_chunk", "vocab_chunk"), CHUNKINGS)
 def test_entropy_and_its_gradient_equal_naive(token_chunk, vocab_chunk):
     hidden, weight, targets, g, g_ent = _problem(40, 16, 700, seed=1)
@@ -98,6 +164,31 @@ def test_entropy_and_its_gradient_equal_naive(token_chunk, vocab_chunk):
     got = _grads((logp * g + ent * g_ent).sum(), hidden, weight)
     for a, b in zip(got, ref_grads, strict=True):
         torch.testing.assert_close(a, b, **FP32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_logits_give_the_recomputed_gradients(dtype):
+    # Fewer tokens than hidden units: the forward keeps its logits for the backward, which
+    # frees them as it goes; a second backward (retain_graph) recomputes them.
+    hidden, weight, targets, g, g_entropy = _problem(16, 64, 500, dtype=dtype, seed=8)
+    assert kept_chunks(16, weight, Chunks(5, 128)) == 4  # all of them
+    logp, entropy = fused_token_logprobs(
+        hidden, weight, targets, 0.7, return_entropy=True, token_chunk=5, vocab_chunk=128
+    )
+    loss = (logp * g).sum() + (entropy * g_entropy).sum()
+    kept = torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+    recomputed = _grads(loss, hidden, weight)
+    for a, b in zip(kept, recomputed, strict=True):  # the same logits, up to GEMM blocking
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, **FP32)
+        else:
+            tol = 2 * 2**-7 * b.float().abs().max().item()  # 2 bf16 ulp of the largest
+            assert (a.float() - b.float()).abs().max().item() <= tol
+    if dtype == torch.float32:
+        ref_logp, ref_entropy = naive_token_logprobs(hidden, weight, targets, 0.7)
+        ref_loss = (ref_logp * g).sum() + (ref_entropy * g_entropy).sum()
+        for a, b in zip(kept, _grads(ref_loss, hidden, weight), strict=True):
+            torch.testing.assert_close(a, b, **FP32)
 
 
 def test_unused_entropy_changes_no_gradient():

@@ -229,16 +229,76 @@ def _max_abs(x: torch.Tensor) -> float:
     return x.abs().max().item() if x.numel() else 0.0
 
 
-def _reference_logprobs(model, batch: PreflightBatch, temperature: float) -> torch.Tensor:
-    """float64 log-softmax of the model's own logits: [B, T-1]."""
+def _logits(model, input_ids, attention_mask) -> torch.Tensor:
+    """The model's own logits at the positions that predict a token: [B, T-1, V]."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=core.position_ids(attention_mask),
+    )
+    return out.logits[:, :-1]
+
+
+def _logprobs_of(logits, input_ids, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """log_softmax(logits / T) computed in `dtype`, at the sampled tokens: [B, T-1]."""
+    logp = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def float64_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0):
+    """(logp [B, T-1] float64, mask [B, T-1]) with the log-softmax in float64, zeros where
+    masked; differentiable. The logits are the model's own, in its dtype: on a float64 copy
+    of the model this is the float64 reference of the whole computation (the seed's code is
+    not, even there: it casts the logits to float32 before its log-softmax)."""
+    logits = _logits(model, input_ids, attention_mask)
+    logp = _logprobs_of(logits, input_ids, temperature, torch.float64)
+    mask = completion_mask[:, 1:].double()
+    return logp * mask, mask
+
+
+def _reference_logprobs(model, batch: PreflightBatch, temperature: float):
+    """The log-softmax of the model's own logits in float64 (the reference) and in float32
+    (the seed's plain path, what a correct implementation is held to): two [B, T-1]."""
     with torch.no_grad():
-        logits = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=core.position_ids(batch.attention_mask),
-        ).logits[:, :-1]
-        logp = torch.log_softmax(logits.double() / temperature, dim=-1)
-        return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+        logits = _logits(model, batch.input_ids, batch.attention_mask)
+        return tuple(
+            _logprobs_of(logits, batch.input_ids, temperature, dtype)
+            for dtype in (torch.float64, torch.float32)
+        )
+
+
+# --- Agreement with float64 ----------------------------------------------------------------------
+#
+# An agreement check measures the path it checks, and a plain path of the same precision,
+# against a float64 reference of the same model and batch, and fails when the checked path is
+# materially further from float64 than the plain one. No fixed tolerance can do that: the
+# rounding of a float32 computation grows with the model's depth, the batch's length and the
+# size of the values, so a deeper model or a longer batch crosses any fixed bound, while a
+# bound loose enough for every model misses a real loss of precision on a small one.
+
+# Two correct computations in the same precision are about as far from float64 as each other:
+# their largest errors over a batch differ by a factor of order 1 (measured: the chunked
+# lm-head's log-probs 0.7-1.8x the seed's and its gradients 0.04-1x, on SmolLM2-135M and on
+# the demo model; one pass vs micro-batches 1.1x). A lost precision costs the bits that a
+# cancellation or a narrower type removes: 10x and far more (a log-sum-exp rounded to one
+# float32 number, 10-20x on confident tokens; a bf16 log-softmax 1e4x; a missing shift or
+# temperature is wrong in the first digit). 4 lies between the two with margin both ways.
+PRECISION_FACTOR = 4.0
+# Errors within a few units in the last place of the largest value compared are no evidence
+# of anything (the plain path can be exact by luck, and no result is better than its own
+# rounding).
+FLOOR_ULPS = 4
+
+
+def precision_tolerance(plain_err: float, largest: float, dtype: torch.dtype) -> float:
+    """How far from float64 a checked path may be: PRECISION_FACTOR x the plain path's
+    distance, plus FLOOR_ULPS units in the last place of `largest` in `dtype`."""
+    return PRECISION_FACTOR * plain_err + FLOOR_ULPS * torch.finfo(dtype).eps * largest
+
+
+def tolerance_text(tol: float, plain_err: float, plain: str, extra: str = "") -> str:
+    what = f"{PRECISION_FACTOR:g} x {plain}'s {plain_err:.1e} + {FLOOR_ULPS} ulp{extra}"
+    return f"<= {tol:.2g} ({what})"
 
 
 def _unpadded_rows(batch: PreflightBatch) -> PreflightBatch:
@@ -254,43 +314,61 @@ def _unpadded_rows(batch: PreflightBatch) -> PreflightBatch:
     )
 
 
+def _row_by_row(impl: CoreFunctions, model, batch: PreflightBatch, temperature: float):
+    """The implementation's log-probs [B, T-1], one row per call. A batch lets it share a
+    group's prompt forward, which rounds differently from the model's own forward (in bf16
+    by whole units of the last place of the logits); alone, a row's logits are the model's,
+    and what the log-prob checks compare is the log-softmax and its alignment alone."""
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
+    rows = [impl.sequence_logprobs(model, *(a[i : i + 1] for a in args), temperature)[0]
+            for i in range(batch.input_ids.shape[0])]  # fmt: skip
+    return torch.cat(rows)
+
+
 def check_logprobs(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
+    """Each against float64 and against the seed's float32 log-softmax of the same logits
+    (the agreement criterion above); the values compared are float32 log-probs."""
     batch = _unpadded_rows(batch)
     comp = batch.completion_mask[:, 1:].bool()  # the true completion tokens, [B, T-1]
+    reference, plain = _reference_logprobs(model, batch, 1.0)
+    largest = _max_abs(reference[comp])
     with torch.no_grad():
-        logp, _ = impl.sequence_logprobs(
-            model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0
-        )
-        # The model's own labels loss (it shifts internally), one row at a time.
-        gaps = []
+        logp = _row_by_row(impl, model, batch, 1.0)
+        # The model's own labels loss (it shifts internally), one row at a time: the mean
+        # completion log-prob of a row is minus that loss. The loss is a float32 computation
+        # too, with its own distance from float64: a correct implementation may be as far from
+        # it as that distance plus its own allowance.
+        gaps, plain_gaps, loss_gaps = [], [], []
         for i in range(batch.input_ids.shape[0]):
             keep = batch.attention_mask[i].bool()
             labels = batch.input_ids[i][keep].masked_fill(batch.completion_mask[i][keep] == 0, -100)
-            ce = model(input_ids=batch.input_ids[i][keep][None], labels=labels[None]).loss
-            ours = logp[i][comp[i]].double().mean()
-            gaps.append(abs(ours.item() + ce.item()))
-    shift_gap = max(gaps)
+            ce = model(input_ids=batch.input_ids[i][keep][None], labels=labels[None]).loss.item()
+            exact = reference[i][comp[i]].mean().item()
+            gaps.append(abs(logp[i][comp[i]].double().mean().item() + ce))
+            plain_gaps.append(abs(plain[i][comp[i]].double().mean().item() - exact))
+            loss_gaps.append(abs(ce + exact))
+    shift_gap, plain_gap, loss_gap = max(gaps), max(plain_gaps), max(loss_gaps)
+    tol = precision_tolerance(plain_gap, largest, torch.float32) + loss_gap
     yield _result(
         "logprobs.shift",
         1,
         "max |mean completion logp + model's labels CE| per row",
         shift_gap,
-        "<= 1e-4",
-        shift_gap <= 1e-4,
+        tolerance_text(tol, plain_gap, "float32 log-softmax", f" + the loss's {loss_gap:.1e}"),
+        shift_gap <= tol,
     )
 
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     with torch.no_grad():
-        logp_bf16, _ = impl.sequence_logprobs(
-            bf16, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0
-        )
-    reference = _reference_logprobs(bf16, batch, 1.0)
+        logp_bf16 = _row_by_row(impl, bf16, batch, 1.0)
+    reference, _ = _reference_logprobs(bf16, batch, 1.0)
     del bf16
     gap = _max_abs((logp_bf16.double() - reference)[comp])
-    # Not the gap: another forward of a bf16 model (the trainer's shared prompt, another CPU's
-    # kernels) rounds its logits differently, by up to ~1e-3 here, hiding the bug's ~1e-2. What
-    # shows it on any path: a bf16 log-softmax returns values on bf16's grid (8 significant
-    # bits), where float32 arithmetic lands only by chance (a few percent of |logp| > 1e-2).
+    # Not the gap: another forward of a bf16 model (a batch instead of one row, another CPU's
+    # kernels) rounds its logits differently, by up to ~1e-3, hiding the bug's ~1e-2. What
+    # shows the bug on any path: a bf16 log-softmax returns values on bf16's grid (8
+    # significant bits), where float32 arithmetic lands only by chance (a few percent of the
+    # values with |logp| > 1e-2).
     values = logp_bf16[comp & (logp_bf16.abs() > 1e-2)].float()
     on_grid = (values == values.bfloat16().float()).double().mean().item() if len(values) else 0.0
     ok = logp_bf16.dtype == torch.float32 and on_grid < 0.5
@@ -306,17 +384,18 @@ def check_logprobs(impl: CoreFunctions, model, batch: PreflightBatch, s: Preflig
 
     temperature = s.objective.temperature if s.objective.temperature != 1.0 else 0.7
     with torch.no_grad():
-        logp_t, _ = impl.sequence_logprobs(
-            model, batch.input_ids, batch.attention_mask, batch.completion_mask, temperature
-        )
-    gap = _max_abs((logp_t.double() - _reference_logprobs(model, batch, temperature))[comp])
+        logp_t = _row_by_row(impl, model, batch, temperature)
+    reference, plain = _reference_logprobs(model, batch, temperature)
+    gap = _max_abs((logp_t.double() - reference)[comp])
+    plain_gap = _max_abs((plain.double() - reference)[comp])
+    tol = precision_tolerance(plain_gap, _max_abs(reference[comp]), torch.float32)
     yield _result(
         "logprobs.temperature",
         1,
-        f"max gap to softmax(logits / {temperature:g}) reference",
+        f"max gap to softmax(logits / {temperature:g}) in float64",
         gap,
-        "<= 1e-4",
-        gap <= 1e-4,
+        tolerance_text(tol, plain_gap, "float32 log-softmax"),
+        gap <= tol,
     )
 
 

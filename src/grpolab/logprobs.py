@@ -1,20 +1,25 @@
 """Token log-probs without the [B, T, V] wall: a chunked lm-head with an exact backward.
 
-The seed's `log_softmax(logits.float())` holds B * T * V float32 values (Qwen's V = 151,936:
+The plain `log_softmax(logits.float())` holds B * T * V float32 values (Qwen's V = 151,936:
 16 x 512 tokens is 5 GB for the log-softmax alone), plus the logits, plus their gradient.
 Here the model is split into its body (everything up to and including the final norm) and
 the lm-head weight W [V, H]; only completion positions are projected, tile by tile
 (tokens x vocabulary), with an online log-sum-exp in float32:
 
-    forward   z = h @ W^T / T per tile; lse = logsumexp(z) online; logp = z[target] - lse
-    backward  recompute the tile with the saved lse: p = exp(z - lse), and with the
-              upstream gradient g, grad_z = g * (onehot - p) (the one-hot scattered into
-              the tile); grad_h = grad_z @ W / T, grad_W = grad_z^T @ h / T
+    forward   z = h @ W^T / T per tile; online, top = max_j z_j and the sum of
+              exp(z_j - top), the target's term apart: logp = -log1p(rest / e_target) at p >= 1/2
+    backward  recompute the tile with the saved top and sum S: p = exp(z - top) / S, and
+              with the upstream gradient g, grad_z = g * (onehot - p) (the target's
+              column written from expm1(logp)); grad_h = grad_z @ W / T, grad_W = grad_z^T @ h / T
 
 so no tensor larger than one tile of logits ever exists, and the work is the three lm-head
 matmuls plus one recompute of the logits (the fourth matmul is the price of not storing
-[N, V]: the upstream gradient g is unknown until backward). `impl="naive"` is the seed's
-code, kept as the reference.
+[N, V]: the upstream gradient g is unknown until backward). The forward keeps as many
+vocabulary chunks of the logits as take no more memory than the weight gradient [V, H]
+the backward returns anyway, and the backward reads those instead of recomputing them
+(`kept_chunks`): all of them when there are fewer tokens than hidden units, where the
+matmuls are most of the time. `impl="naive"` is the plain code (`core.sequence_logprobs`),
+kept as the reference.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from grpolab.models import plain_kv_cache
+from grpolab import core
+from grpolab.models import eval_mode, plain_kv_cache
 
 log = logging.getLogger("grpolab")
 
@@ -102,11 +108,16 @@ class _Tiles:
         )
 
     def logits(
-        self, h: torch.Tensor, w: torch.Tensor, inv_t: float, shift: torch.Tensor | None = None
+        self,
+        h: torch.Tensor,
+        w: torch.Tensor,
+        inv_t: float,
+        shift: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """h @ w^T * inv_t (- shift[:, None]) as a float32 [n, v] tile."""
+        """h @ w^T * inv_t (- shift[:, None]) as a float32 [n, v] tile (in `out` if given)."""
         n, v = h.shape[0], w.shape[0]
-        out = self.main[: n * v].view(n, v)
+        out = self.tile((n, v)) if out is None else out
         if self.low is None:
             # (mm, then a pass to shift, measured faster on CPU than addmm with a broadcast
             # input, which copies it into `out` and then reads it back in the GEMM.)
@@ -120,6 +131,9 @@ class _Tiles:
         if shift is not None:
             out.sub_(shift[:, None])
         return out
+
+    def tile(self, shape: tuple[int, int]) -> torch.Tensor:
+        return self.main[: shape[0] * shape[1]].view(shape)
 
     def second(self, like: torch.Tensor) -> torch.Tensor:
         return self.aux[: like.numel()].view(like.shape)
@@ -139,52 +153,95 @@ def _forward(
     inv_t: float,
     chunks: Chunks,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(logp [N], lse [N], entropy [N] or None), in float32 (float64 for float64 inputs)."""
+    keep_chunks: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, list | None]:
+    """(logp [N], top [N], total [N], entropy [N] or None, logits), in float32 (float64 for
+    float64 inputs), where top = max_j z_j and total = sum_j exp(z_j - top) over the whole
+    vocabulary; logits: z itself, [N, v], for the first keep_chunks vocabulary chunks
+    (None for the others), or None when keep_chunks is 0.
+
+    Where precision goes for a confident token (1 - p small; GRPO samples many): the
+    log-sum-exp as one float32 number lse = top + log(total) is rounded to the ulp of |z|
+    (2e-6 at |z| ~ 20), and total = 1 + (the rest) to the ulp of 1 (1.2e-7); either
+    rounding can be as large as 1 - p itself. So the log-sum-exp is kept as the pair (top,
+    total), and the target's own term is summed apart from the rest: log p = -log1p(rest /
+    e_t) is then as precise as float32 allows, however close p is to 1."""
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     tiles = _Tiles(chunks, weight.dtype, weight.device, n_aux=int(with_entropy))
     acc = tiles.acc_dtype
-    lse = torch.full((n_tokens,), -math.inf, dtype=acc, device=hidden.device)
+    top = torch.full((n_tokens,), -math.inf, dtype=acc, device=hidden.device)
+    # sum over the columns seen so far, the target's own left out, of exp(z_j - top)
+    # (and of exp(z_j - top) * (z_j - top), for the entropy)
+    rest = torch.zeros(n_tokens, dtype=acc, device=hidden.device)
+    spread = torch.zeros(n_tokens, dtype=acc, device=hidden.device) if with_entropy else None
     target_logit = torch.zeros(n_tokens, dtype=acc, device=hidden.device)
-    # sum_j p_j * z_j, where p = softmax(z) over the columns seen so far: entropy = lse - it.
-    mean_z = torch.zeros(n_tokens, dtype=acc, device=hidden.device) if with_entropy else None
+    kept = [] if keep_chunks else None
     for v0 in range(0, vocab, chunks.vocab):
         w = weight[v0 : v0 + chunks.vocab]  # [v, H]
         v = w.shape[0]
         local = targets - v0  # [N]
         here = (local >= 0) & (local < v)
         local = local.clamp(0, v - 1)
+        store = None
+        if v0 < keep_chunks * chunks.vocab:
+            store = torch.empty(n_tokens, v, dtype=acc, device=w.device)
         for n0 in range(0, n_tokens, chunks.tokens):
             rows = slice(n0, n0 + chunks.tokens)
-            z = tiles.logits(hidden[rows], w, inv_t)  # [n, v]
-            picked = z.gather(1, local[rows, None]).squeeze(1)  # [n]
-            target_logit[rows] += torch.where(here[rows], picked, torch.zeros_like(picked))
-            # In place: max, shift, exp, sum; the tile is never copied.
-            top = z.amax(dim=1)  # [n]
-            z.sub_(top[:, None])
-            if mean_z is not None:
-                e = torch.exp(z, out=tiles.second(z))
-                tile_mean_z = torch.linalg.vecdot(e, z)  # sum e * (z - top)
+            column, in_tile = local[rows, None], here[rows]  # [n, 1], [n]
+            raw = tiles.logits(hidden[rows], w, inv_t, out=None if store is None else store[rows])
+            picked = raw.gather(1, column).squeeze(1)  # [n]
+            target_logit[rows] += torch.where(in_tile, picked, torch.zeros_like(picked))
+            # Max, shift, exp, sum; in place unless the logits are kept.
+            tile_top = raw.amax(dim=1)  # [n]
+            if store is None:
+                z = raw.sub_(tile_top[:, None])
             else:
-                e = z.exp_()
-            total = e.sum(dim=1)  # [n]
-            tile_lse = top + torch.log(total)
-            new_lse = torch.logaddexp(lse[rows], tile_lse)
-            if mean_z is not None:
-                tile_mean_z = tile_mean_z / total + top  # sum softmax(tile) * z
-                mean_z[rows] = mean_z[rows] * torch.exp(lse[rows] - new_lse) + tile_mean_z * (
-                    torch.exp(tile_lse - new_lse)
+                z = torch.sub(raw, tile_top[:, None], out=tiles.tile(raw.shape))
+            e = torch.exp(z, out=tiles.second(z)) if spread is not None else z.exp_()
+            e_target = e.gather(1, column).squeeze(1)
+            zero = torch.zeros_like(e_target)
+            e.scatter_(1, column, torch.where(in_tile, zero, e_target)[:, None])
+            tile_rest = e.sum(dim=1)  # [n]
+            if spread is not None:
+                tile_spread = torch.linalg.vecdot(e, z)  # sum e * (z - tile_top)
+            if v0 == 0:  # every row's first vocabulary chunk
+                top[rows], rest[rows] = tile_top, tile_rest
+                if spread is not None:
+                    spread[rows] = tile_spread
+                continue
+            # Both sums re-expressed relative to the larger of the two maxima.
+            new_top = torch.maximum(top[rows], tile_top)
+            old_shift, tile_shift = top[rows] - new_top, tile_top - new_top  # <= 0
+            old_scale, tile_scale = torch.exp(old_shift), torch.exp(tile_shift)
+            if spread is not None:
+                spread[rows] = old_scale * (spread[rows] + old_shift * rest[rows]) + (
+                    tile_scale * (tile_spread + tile_shift * tile_rest)
                 )
-            lse[rows] = new_lse
-    entropy = lse - mean_z if mean_z is not None else None
-    return target_logit - lse, lse, entropy
+            rest[rows] = old_scale * rest[rows] + tile_scale * tile_rest
+            top[rows] = new_top
+        if kept is not None:
+            kept.append(store)
+    target_shift = target_logit - top  # <= 0
+    target_term = torch.exp(target_shift)
+    total = target_term + rest
+    log_total = torch.log(total)
+    # p >= 1/2: log p = -log1p(rest / e_t); below 1/2 the direct form has nothing to cancel.
+    logp = torch.where(
+        target_term >= rest, -torch.log1p(rest / target_term), target_shift - log_total
+    )
+    entropy = None
+    if spread is not None:  # H = -sum p log p = log(total) - sum p (z - top)
+        entropy = log_total - (spread + target_term * target_shift) / total
+    return logp, top, total, entropy, kept
 
 
 def _backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    lse: torch.Tensor,
+    top: torch.Tensor,
+    total: torch.Tensor,
+    logp: torch.Tensor,
     entropy: torch.Tensor | None,
     grad_logp: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
@@ -192,30 +249,44 @@ def _backward(
     chunks: Chunks,
     need_hidden: bool,
     need_weight: bool,
+    kept: list | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gradients w.r.t. hidden [N, H] and weight [V, H], one recomputed tile at a time.
+    """Gradients w.r.t. hidden [N, H] and weight [V, H], one recomputed tile at a time (or
+    read from the forward's kept logits, each chunk freed once its gradient is written).
 
-    With z = logits / T and s = z - lse = log p: d logp / dz = onehot - p and
-    d entropy / dz = -p * (s + entropy), so grad_z = -B with
-    B = p * (g + gE * (s + entropy)) - g * onehot, and
-    grad_h = -B @ W / T,  grad_W = -B^T @ h / T.
-    Without an entropy gradient B = g * (p - onehot): in full precision the per-row g goes
-    on the small [n, H] side of the matmuls instead of a pass over the tile.
+    With z = logits / T, e = exp(z - top), S = total: p = e / S and log p = z - top - log S.
+    d logp / dz = onehot - p and d entropy / dz = -p * (log p + entropy), so grad_z = -B / S
+    with B = e * (g + gE * (log p + entropy)) - S * g * onehot, and
+    grad_h = -(B @ W) / (S T),  grad_W = -B^T @ (h / S) / T.
+    1 / S (times g, when there is no entropy gradient) is a per-row factor: in full
+    precision it goes on the small [n, H] side of the matmuls instead of a pass over the tile.
+
+    The target's column of B is S * (g * (p_t - 1) + ...): formed on the tile as e_t - S it
+    would be the difference of two numbers near S whose roundings are all that is left of
+    1 - p_t for a confident token. It is written instead from the forward's log-prob as
+    S * (g * expm1(logp_t) + p_t * gE * (logp_t + entropy)), to float32's relative precision.
     """
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     acc = _acc_dtype(weight.dtype)
     device = hidden.device
-    g = grad_logp.to(acc) if grad_logp is not None else lse.new_zeros(n_tokens)
+    g = grad_logp.to(acc) if grad_logp is not None else top.new_zeros(n_tokens)
     with_entropy_grad = grad_entropy is not None and entropy is not None
     low_precision = weight.dtype != acc
-    g_on_tile = with_entropy_grad or low_precision
     if with_entropy_grad:
         g_entropy = grad_entropy.to(acc)
+        target_value = total * (
+            g * torch.expm1(logp) + torch.exp(logp) * g_entropy * (logp + entropy)
+        )
+        # B = e * (offset + gE * (z - top)): the per-row part of g + gE * (log p + entropy).
+        offset = g + g_entropy * (entropy - torch.log(total))
+        row_factor = 1.0 / total  # [N]
+    else:  # B = e - S * onehot, and g joins the row factor
+        target_value = total * torch.expm1(logp)  # [N]
+        row_factor = g / total
     tiles = _Tiles(chunks, weight.dtype, weight.device, n_aux=int(with_entropy_grad))
-    # The one-hot part of B scattered into each tile: -g, or -1 when g multiplies later.
-    onehot = -g if with_entropy_grad else -torch.ones_like(g)  # [N]
-    # Right-hand side of the weight-gradient matmul: g * h, or h when g is on the tile.
-    rhs = hidden if g_on_tile else (g[:, None] * hidden)  # [N, H]
+    # Right-hand side of the weight-gradient matmul: h scaled by the row factor, unless the
+    # factor is on the tile (low precision: the tile is rounded once, already scaled).
+    rhs = hidden if low_precision else (row_factor[:, None] * hidden)  # [N, H]
 
     b_w = torch.zeros(n_tokens, weight.shape[1], dtype=acc, device=device) if need_hidden else None
     # Full precision: each chunk's rows are overwritten by its first token chunk (beta = 0),
@@ -224,13 +295,13 @@ def _backward(
     if need_weight:
         grad_weight = torch.empty_like(weight) if n_tokens else torch.zeros_like(weight)
 
-    for v0 in range(0, vocab, chunks.vocab):
+    for k, v0 in enumerate(range(0, vocab, chunks.vocab)):
         w = weight[v0 : v0 + chunks.vocab]  # [v, H]
         v = w.shape[0]
         local = targets - v0  # [N]
         here = (local >= 0) & (local < v)
         local = local.clamp(0, v - 1)
-        value = torch.where(here, onehot, torch.zeros_like(onehot))
+        stored = None if kept is None else kept[k]  # [N, v] or None
         if need_weight:
             # Low precision: this chunk's weight-gradient rows summed in float32, rounded once.
             gw = (
@@ -240,16 +311,21 @@ def _backward(
             )
         for n0 in range(0, n_tokens, chunks.tokens):
             rows = slice(n0, n0 + chunks.tokens)
-            b = tiles.logits(hidden[rows], w, inv_t, shift=lse[rows])  # log p  [n, v]
-            if with_entropy_grad:
-                p = torch.exp(b, out=tiles.second(b))
-                b.add_(entropy[rows, None]).mul_(g_entropy[rows, None]).add_(g[rows, None])
-                b.mul_(p)  # p * (g + gE * (s + entropy))
+            if stored is None:
+                b = tiles.logits(hidden[rows], w, inv_t, shift=top[rows])  # z - top  [n, v]
             else:
-                b.exp_()  # p
-            b.scatter_add_(1, local[rows, None], value[rows, None])
+                z = stored[rows]
+                b = torch.sub(z, top[rows, None], out=tiles.tile(z.shape))
+            if with_entropy_grad:
+                e = torch.exp(b, out=tiles.second(b))
+                b.mul_(g_entropy[rows, None]).add_(offset[rows, None]).mul_(e)
+            else:
+                b.exp_()  # e
+            column = local[rows, None]  # [n, 1]
+            other = b.gather(1, column).squeeze(1)  # rows whose target lies in another chunk
+            b.scatter_(1, column, torch.where(here[rows], target_value[rows], other)[:, None])
             if low_precision:
-                b = tiles.low_precision(b, None if with_entropy_grad else g[rows])
+                b = tiles.low_precision(b, row_factor[rows])
             if need_hidden:
                 if low_precision:
                     b_w[rows] += torch.mm(b, w)
@@ -263,12 +339,28 @@ def _backward(
                     gw.addmm_(b.t(), rhs[rows], beta=first, alpha=-inv_t)  # [v, H]
         if need_weight and low_precision:
             grad_weight[v0 : v0 + v] = gw
+        if kept is not None:
+            kept[k] = None  # a second backward (retain_graph) recomputes it
 
     grad_hidden = None
     if need_hidden:
-        scale = -inv_t if g_on_tile else -inv_t * g[:, None]
+        scale = -inv_t if low_precision else -inv_t * row_factor[:, None]
         grad_hidden = (b_w * scale).to(hidden.dtype)
     return grad_hidden, grad_weight
+
+
+def kept_chunks(n_tokens: int, weight: torch.Tensor, chunks: Chunks) -> int:
+    """How many vocabulary chunks of the logits the forward keeps for the backward, which
+    then skips their recompute (a quarter of the lm-head's matmuls): as many as take no
+    more memory than the weight gradient [V, H] the backward returns anyway. With fewer
+    tokens than hidden units that is all of them (N x 4 bytes <= H x the weight's bytes);
+    there the matmuls are most of the time, and the fourth would cost more than the
+    plain whole log-softmax. The backward frees each chunk as it goes, so the peak grows
+    by about one chunk, not by the budget."""
+    vocab, hidden_size = weight.shape
+    budget = vocab * hidden_size * weight.dtype.itemsize  # bytes of the weight gradient
+    chunk = max(n_tokens, 1) * chunks.vocab * _acc_dtype(weight.dtype).itemsize
+    return min(math.ceil(vocab / chunks.vocab), budget // chunk)
 
 
 class FusedTokenLogprobs(torch.autograd.Function):
@@ -276,22 +368,27 @@ class FusedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, inv_t, chunks, with_entropy):
-        logp, lse, entropy = _forward(hidden, weight, targets, inv_t, chunks, with_entropy)
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.inv_t, ctx.chunks = inv_t, chunks
+        keep = kept_chunks(hidden.shape[0], weight, chunks) if ctx.needs_input_grad[1] else 0
+        logp, top, total, entropy, kept = _forward(
+            hidden, weight, targets, inv_t, chunks, with_entropy, keep
+        )
+        ctx.save_for_backward(hidden, weight, targets, top, total, logp, entropy)
+        ctx.inv_t, ctx.chunks, ctx.kept = inv_t, chunks, kept
         ctx.set_materialize_grads(False)  # an unused entropy costs nothing in backward
         return logp if entropy is None else (logp, entropy)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, targets, top, total, logp, entropy = ctx.saved_tensors
         if grad_logp is None and grad_entropy is None:
             return None, None, None, None, None, None
         grad_hidden, grad_weight = _backward(
             hidden,
             weight,
             targets,
-            lse,
+            top,
+            total,
+            logp,
             entropy,
             grad_logp,
             grad_entropy,
@@ -299,6 +396,7 @@ class FusedTokenLogprobs(torch.autograd.Function):
             ctx.chunks,
             need_hidden=ctx.needs_input_grad[0],
             need_weight=ctx.needs_input_grad[1],
+            kept=ctx.kept,
         )
         return grad_hidden, grad_weight, None, None, None, None
 
@@ -349,7 +447,7 @@ def fused_token_logprobs(
 
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if not needs_grad:  # logp_old / reference log-probs: nothing is kept for a backward
-        logp, _, entropy = _forward(hidden, weight, targets, inv_t, chunks, return_entropy)
+        logp, _, _, entropy, _ = _forward(hidden, weight, targets, inv_t, chunks, return_entropy)
         return (logp, entropy) if return_entropy else logp
     return FusedTokenLogprobs.apply(hidden, weight, targets, inv_t, chunks, return_entropy)
 
@@ -435,16 +533,13 @@ def _verdict_once(verdicts, model, failure: str, probe) -> str | None:
     two forwards differ) without grad; an exception is a verdict too. Cached in verdicts."""
     if model in verdicts:
         return verdicts[model]
-    was_training = model.training
-    model.eval()
     device_type = next(model.parameters()).device.type
     try:  # in the model's own precision: autocast's rounding would blur what is checked
-        with torch.no_grad(), torch.autocast(device_type, enabled=False):
+        with eval_mode(model), torch.no_grad(), torch.autocast(device_type, enabled=False):
             reason = probe()
     except Exception as e:  # any model that cannot be called this way takes the other path
         reason = f"{failure}: {type(e).__name__}: {e}"
-    finally:
-        model.train(was_training)
+
     if reason is not None:
         reason = f"{type(model).__name__}: {reason}"
     verdicts[model] = reason
@@ -656,13 +751,11 @@ def token_logprobs(
     mask [B, T-1] float32), plus entropy [B, T-1] float32 when return_entropy; logp[:, t]
     is the log-prob of input_ids[:, t+1], mask[:, t] = completion_mask[:, t+1].
     impl="fused" projects only completion positions through the lm-head in tiles;
-    impl="naive" is the seed's full-logits path (`core.sequence_logprobs`).
+    impl="naive" is the plain full-logits path (`core.sequence_logprobs`).
     prompt_length: the column where completions start (all rows), if known.
     shared_prefix: on the fused path, run the body once per distinct prompt of consecutive
     rows (a GRPO group) and the completions against its cached keys and values.
     """
-    from grpolab import core
-
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {list(IMPLS)}")
     core._check_same_shape(
@@ -727,17 +820,16 @@ def _warn_once(
 
 
 def _naive(model, input_ids, attention_mask, completion_mask, temperature, return_entropy):
-    from grpolab import core
-
     if not return_entropy:
         logp, mask = core.sequence_logprobs(
             model, input_ids, attention_mask, completion_mask, temperature
         )
         return torch.where(mask.bool(), logp, torch.zeros_like(logp)), mask
-    # Entropy needs the whole distribution: the seed's computation, kept whole.
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    # Entropy needs the whole distribution: the plain computation, kept whole.
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=core.position_ids(attention_mask),
     ).logits
     logits = logits[:, :-1, :].float() / temperature  # [B, T-1, V]
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, T-1, V]
@@ -760,7 +852,7 @@ def _fused(
     shared_prefix=True,
     head_dtype=None,
 ):
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    position_ids = core.position_ids(attention_mask)
     mask = completion_mask[:, 1:].float()  # [B, T-1]
     window = None  # final hidden states at positions [start, T-1), [B, T-1-start, H]
     plan = None

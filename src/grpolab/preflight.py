@@ -8,9 +8,12 @@ runs them before training starts and refuses to start when one fails.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,17 +67,114 @@ def sample_batch(run: Run) -> tuple[PreflightBatch, list[str]]:
     return batch, rollout.completions
 
 
-def check_split_invariance(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
-    """The gradient of the batch in one pass equals the gradient accumulated over micro-batches
-    with the trainer's loss scaling (the wrong normaliser under accumulation shows here)."""
+# --- Against a float64 copy of the model -------------------------------------------------------
+#
+# The gradient checks hold each path to checks.precision_tolerance: no materially further from
+# a float64 copy of the model, on the same batch, than the plain path is.
+
+# Rows per float64 forward with grad: its activations and [rows, T, V] logits stay small.
+REFERENCE_ROWS = 4
+
+
+def float64_copy(model) -> torch.nn.Module:
+    """The model in float64 for the references: 8 bytes a parameter, 16 with gradients."""
+    return copy.deepcopy(model).double().eval()
+
+
+def _trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _grads(model) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for _, p in _trainable(model)]
+
+
+@dataclass(frozen=True)
+class Distance:
+    """How far a gradient (and log-probs) are from a reference's."""
+
+    grad: float  # max |grad - reference| over every parameter, / max |reference|
+    worst: str  # the parameter where that is reached
+    worst_abs: float  # its |grad - reference|
+    logp: float = 0.0  # max |logp - reference| over completion tokens
+    logp_scale: float = 0.0  # max |reference logp| over completion tokens
+
+
+def _grad_distance(model, reference: list[torch.Tensor | None]) -> Distance:
+    """The model's current .grad against reference gradients (None: the parameter has none)."""
+    scale = max((float(r.abs().max()) for r in reference if r is not None), default=0.0) or 1.0
+    worst, worst_abs = "-", 0.0
+    for (name, p), ref in zip(_trainable(model), reference, strict=True):
+        if ref is not None:
+            gap = _max_gap(torch.zeros_like(ref) if p.grad is None else p.grad, ref)
+            if gap > worst_abs:
+                worst, worst_abs = name, gap
+    return Distance(worst_abs / scale, worst, worst_abs)
+
+
+def reference_gradient(model64, logprobs_fn, args, loss_of) -> tuple[torch.Tensor, list]:
+    """(logp [B, T-1], the parameters' gradients) of loss_of(logp, mask) for logp, mask =
+    logprobs_fn(model64, *args) on the whole batch (args: input_ids, attention_mask,
+    completion_mask, temperature), REFERENCE_ROWS rows per forward: d loss / d logp from the
+    whole batch's log-probs, then each slice of rows backpropagated with its share of it
+    (the chain rule: exact for any loss, whatever its normaliser)."""
+    B = args[0].shape[0]
+    slices = [slice(r0, r0 + REFERENCE_ROWS) for r0 in range(0, B, REFERENCE_ROWS)]
+
+    def rows_of(rows: slice):
+        return logprobs_fn(model64, *(a[rows] for a in args[:3]), args[3])
+
+    with torch.no_grad():
+        parts = [rows_of(rows) for rows in slices]
+    logp = torch.cat([p[0] for p in parts]).requires_grad_()
+    loss_of(logp, torch.cat([p[1] for p in parts])).backward()
+    upstream = logp.grad
+    model64.zero_grad(set_to_none=True)
+    for rows in slices:
+        (rows_of(rows)[0] * upstream[rows]).sum().backward()
+    grads = _grads(model64)
+    model64.zero_grad(set_to_none=True)
+    return logp.detach(), grads
+
+
+def _masked_sum(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (logp * mask).sum()
+
+
+def logprob_distances(
+    model, model64, args, paths: dict, reference=checks.float64_logprobs
+) -> dict[str, Distance]:
+    """Each of `paths` (name -> a sequence_logprobs-like function) on `model`, against
+    `reference` on `model64`: log-probs and the gradient of sum(logp * mask) reaching the
+    parameters. args: (input_ids, attention_mask, completion_mask, temperature)."""
+    valid = args[2][:, 1:].bool()
+    ref_logp, ref_grads = reference_gradient(model64, reference, args, _masked_sum)
+    scale = _max_gap(ref_logp[valid], torch.zeros_like(ref_logp[valid]))
+    out = {}
+    for name, fn in paths.items():
+        model.zero_grad(set_to_none=True)
+        logp, mask = fn(model, *args)
+        _masked_sum(logp, mask).backward()
+        grad = _grad_distance(model, ref_grads)
+        model.zero_grad(set_to_none=True)
+        gap = _max_gap(logp.detach()[valid], ref_logp[valid])
+        out[name] = dataclasses.replace(grad, logp=gap, logp_scale=scale)
+    return out
+
+
+def check_split_invariance(
+    impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings, model64=None
+):
+    """The gradient of the batch accumulated over micro-batches with the trainer's loss
+    scaling equals the gradient in one pass (the wrong normaliser under accumulation shows
+    here): both against the one-pass gradient of the same functions on a float64 copy."""
     o = s.objective
     B = batch.input_ids.shape[0]
     advantages = torch.tensor([1.0, -0.5] * (B // 2) + [1.0] * (B % 2))
-    tensors = (batch.input_ids, batch.attention_mask, batch.completion_mask)
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, o.temperature)
     L = o.max_completion_length or batch.input_ids.shape[1]
 
-    def loss_of(rows: torch.Tensor) -> torch.Tensor:
-        logp, mask = impl.sequence_logprobs(model, *(a[rows] for a in tensors), o.temperature)
+    def loss_of(logp, mask, rows=slice(None)) -> torch.Tensor:
         kwargs = o.loss_kwargs() | {"beta": 0.0, "max_completion_length": L}
         loss, _ = impl.grpo_loss(
             logp, logp.detach() + 0.05, None, advantages[rows], mask,
@@ -82,10 +182,15 @@ def check_split_invariance(impl: CoreFunctions, model, batch: PreflightBatch, s:
         )  # fmt: skip
         return loss
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    def loss_of_rows(rows) -> torch.Tensor:
+        logp, mask = impl.sequence_logprobs(model, *(a[rows] for a in args[:3]), o.temperature)
+        return loss_of(logp, mask, rows)
+
+    model64 = float64_copy(model) if model64 is None else model64
+    _, reference = reference_gradient(model64, impl.sequence_logprobs, args, loss_of)
     model.zero_grad(set_to_none=True)
-    loss_of(torch.arange(B)).backward()
-    whole = [p.grad.detach().clone() for p in params]
+    loss_of_rows(torch.arange(B)).backward()
+    whole = _grad_distance(model, reference).grad
     model.zero_grad(set_to_none=True)
     unit_mask = batch.completion_mask[:, 1:]
     lengths = unit_mask.sum(1)
@@ -95,66 +200,53 @@ def check_split_invariance(impl: CoreFunctions, model, batch: PreflightBatch, s:
     for rows in parts:
         if len(rows):
             share = core.micro_batch_scale(o.loss_type, unit_mask[rows], unit_mask)
-            (loss_of(rows) * share).backward()
-    split = [p.grad.detach().clone() for p in params]
+            (loss_of_rows(rows) * share).backward()
+    split = _grad_distance(model, reference).grad
     model.zero_grad(set_to_none=True)
-    scale = max(float(g.abs().max()) for g in whole) or 1.0
-    gap = max(float((a - b).abs().max()) for a, b in zip(whole, split, strict=True)) / scale
+    tol = checks.precision_tolerance(whole, 1.0, next(model.parameters()).dtype)
     yield CheckResult(
         "split.gradient_invariance",
         0,
-        "max |grad(one pass) - grad(3 uneven micro-batches)| / max |grad|",
-        gap,
-        "<= 1e-4",
-        gap <= 1e-4,
+        "max |grad(3 uneven micro-batches) - grad(one pass, float64 copy)| / max |grad|",
+        split,
+        checks.tolerance_text(tol, whole, "one pass"),
+        split <= tol,
         "the loss of each micro-batch must be scaled by its share of the whole batch's "
         "normaliser (tokens for token-mean, sequences for sequence-mean)",
     )
 
 
-def check_fused_logprobs(model, batch: PreflightBatch, s: PreflightSettings):
-    """The trainer's memory-efficient log-probs against the seed's code on this model:
-    values and the gradient reaching the model's parameters."""
+def check_fused_logprobs(model, batch: PreflightBatch, s: PreflightSettings, model64=None):
+    """The trainer's memory-efficient log-probs and the seed's code, each against a float64
+    copy of the model: values and the gradient reaching the model's parameters."""
     from grpolab.logprobs import shared_prefix_status, split_model, token_logprobs
 
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature)
-    valid = batch.completion_mask[:, 1:].bool()
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def values_and_grads(fn):
-        model.zero_grad(set_to_none=True)
-        logp, mask = fn(model, *args)
-        (logp * mask).sum().backward()
-        grads = [p.grad.detach().clone() for p in params if p.grad is not None]
-        model.zero_grad(set_to_none=True)
-        return logp.detach(), grads
 
     def trainers(model, *args):
         return token_logprobs(model, *args, shared_prefix=s.shared_prefix)
 
-    fused, fused_grads = values_and_grads(trainers)
-    naive, naive_grads = values_and_grads(core.sequence_logprobs)
-    gap = _max_gap(fused[valid], naive[valid])
-    scale = max((float(g.abs().max()) for g in naive_grads), default=1.0) or 1.0
-    grad_gap = max(
-        (_max_gap(a, b) for a, b in zip(fused_grads, naive_grads, strict=True)), default=0.0
-    )
-    grad_gap /= scale
+    model64 = float64_copy(model) if model64 is None else model64
+    paths = {"fused": trainers, "naive": core.sequence_logprobs}
+    fused, naive = logprob_distances(model, model64, args, paths).values()
+    dtype = next(model.parameters()).dtype
+    tol = checks.precision_tolerance(naive.logp, naive.logp_scale, dtype)
+    grad_tol = checks.precision_tolerance(naive.grad, 1.0, dtype)
     reason = split_model(model).reason
     path = "fused" if reason is None else f"naive fallback ({reason})"
     if reason is None and s.shared_prefix:
         why_not = shared_prefix_status(model, *args[:3])
         path += ", one forward per prompt" if why_not is None else f", one per row ({why_not})"
-    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2
     yield CheckResult(
         "logprobs.fused_vs_naive",
         0,
-        f"{path}: max |logp gap| (relative grad gap {grad_gap:.1e})",
-        gap,
-        f"<= {tol:g}",
-        gap <= tol and grad_gap <= tol,
-        "the chunked lm-head path disagrees with the seed's log-softmax on this model: set "
-        "trainer.logprobs=naive and report the model",
+        f"{path}: max |logp - float64 copy's| (relative gradient gap {fused.grad:.1e}, "
+        f"naive {naive.grad:.1e})",
+        fused.logp,
+        f"{checks.tolerance_text(tol, naive.logp, 'naive')}; gradient <= {grad_tol:.2g}",
+        fused.logp <= tol and fused.grad <= grad_tol,
+        "the chunked lm-head path is further from float64 than the seed's log-softmax on "
+        "this model: set trainer.logprobs=naive and report the model",
     )
 
 
@@ -226,14 +318,17 @@ def run_preflight(run: Run) -> list[CheckResult]:
     batch, _ = sample_batch(run)
     results = checks.run_checks(model, batch, s, functions)
     with eval_mode(model, zero_grad=True):
+        model64 = float64_copy(model)  # both gradient checks' reference
         if cfg.trainer.logprobs == "fused":
             results += checks.guarded(
-                functions, ("logprobs.fused_vs_naive",), 0, check_fused_logprobs, model, batch, s
-            )
+                functions, ("logprobs.fused_vs_naive",), 0, check_fused_logprobs, model, batch,
+                s, model64,
+            )  # fmt: skip
         results += checks.guarded(
             functions, ("split.gradient_invariance",), 0, check_split_invariance, functions,
-            model, batch, s,
+            model, batch, s, model64,
         )  # fmt: skip
+        del model64
         if functions.path is None:  # memory of grpolab's own path; a learner's is not sized
             prompt_tokens = longest_prompt_tokens(run)
             results += checks.guarded(
