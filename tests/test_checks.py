@@ -10,8 +10,11 @@ import torch
 from grpolab import checks, core
 from grpolab.functions import ImplLoadError, load_impl
 from grpolab.models import build_char_tokenizer, build_tiny_model
+from grpolab.rewards import load_rewards
+from grpolab.rewards.probes import probe_rows, run_probes
 from grpolab.rollout.base import SamplingParams
 from grpolab.rollout.hf import HFEngine
+from grpolab.tasks import load_task
 
 MUTANTS = Path(__file__).parent / "mutants"
 
@@ -31,6 +34,10 @@ CAUGHT_BY = {
     "prompt_in_mask": "norm.masked_gradient",
     "sign_flipped": "loss.sgd_direction",
     "unmasked_ratio_mean": "loss.metrics",
+}
+# reward mutant file (its function has the file's only public name) -> the probe that catches it
+REWARD_CAUGHT_BY = {
+    "reward_accepts_echo": "rewards.echo",
 }
 
 PROFILE_TRL = {"profile": "trl", **core.PROFILES["trl"], "beta": 0.04}
@@ -123,8 +130,23 @@ def test_each_mutant_fails_its_named_check(model_and_batch, mutant):
     assert named.hint  # a failure names the likely bug
 
 
+@pytest.mark.parametrize("mutant", sorted(REWARD_CAUGHT_BY))
+def test_each_reward_mutant_fails_its_named_probe(mutant):
+    # On the demo's own task: bare "37+48=" prompts.
+    module = (MUTANTS / f"{mutant}.py").read_text()
+    (name,) = [line[4:].split("(")[0] for line in module.splitlines() if line.startswith("def ")]
+    rewards = load_rewards([f"{MUTANTS / mutant}.py:{name}"], task="arithmetic")
+    report = run_probes(probe_rows(load_task()), rewards)
+    results = by_id(checks.check_reward_probes(report))
+    named = results[REWARD_CAUGHT_BY[mutant]]
+    assert not named.passed, named
+    assert named.hint and f"reward {name!r}" in named.what
+
+
 def test_every_mutant_file_is_listed():
-    assert {p.stem for p in MUTANTS.glob("*.py")} == set(CAUGHT_BY) | set(MENU_CAUGHT_BY)
+    assert {p.stem for p in MUTANTS.glob("*.py")} == set(CAUGHT_BY) | set(REWARD_CAUGHT_BY) | set(
+        MENU_CAUGHT_BY
+    )
 
 
 def declared(overrides: dict) -> checks.PreflightSettings:

@@ -9,7 +9,7 @@ from tolerances import EPS32, logprob_tolerance
 from grpolab.checkpoint import latest_checkpoint
 from grpolab.config import load_config
 from grpolab.models import load_policy, save_policy
-from grpolab.monitors import MonitorLimits, MonitorStop, check_step
+from grpolab.monitors import MonitorLimits, MonitorStop, RewardDivergence, check_step
 from grpolab.preflight import PreflightFailed
 from grpolab.setup import DEMO_MODEL_DIR
 from grpolab.trainer import train
@@ -57,6 +57,90 @@ def test_missing_or_nan_quantities_are_not_warnings():
     assert check_step(1, {"kl": float("nan")}, MonitorLimits(), trainer_logp_old=True) == []
 
 
+# --- The reward against the strict accuracy -------------------------------------------------
+
+
+def divergence_warnings(rows, scale):
+    """Feed (reward/mean, accuracy, strict_accuracy) per step; (gaps, warnings) per step."""
+    watch = RewardDivergence(MonitorLimits(), scale)
+    out = []
+    for step, (reward, accuracy, strict) in enumerate(rows, start=1):
+        metrics = {"reward/mean": reward, "accuracy": accuracy, "strict_accuracy": strict}
+        out.append(watch.update(step, metrics))
+    return out
+
+
+def test_divergence_waits_for_a_full_window_and_names_the_gap():
+    window = MonitorLimits().divergence_window
+    # A reward paying everything from step 1 while nothing is right.
+    out = divergence_warnings([(1.0, 0.0, 0.0)] * (window + 1), scale=(0.0, 1.0))
+    assert all(not warnings for _, warnings in out[: window - 1])
+    gaps, warnings = out[window - 1]
+    assert gaps == {"monitor/accuracy_strict_gap": 0.0, "monitor/reward_strict_gap": 1.0}
+    (w,) = warnings
+    assert w.startswith(f"step {window}: rewarded-as-right fraction - strict_accuracy = 1 ")
+    assert "gamed reward" in w and "expected <= 0.1" in w
+
+
+# (reward/mean, accuracy, strict_accuracy) of the first 9 steps of a real run: SmolLM2-135M-
+# Instruct, chat-template "What is 59 + 63?" prompts, 8 prompts x G=8, lr 1e-5, trained on
+# tests/mutants/reward_accepts_echo.py (math-verify on the whole completion). The reward pays
+# for restated sums ("To add 19 + 92, ...") while the built-in accuracy and the strict check
+# agree on every step.
+GAMED_RUN = [
+    (0.125, 0.015625, 0.015625),
+    (0.1875, 0.0, 0.0),
+    (0.125, 0.0, 0.0),
+    (0.171875, 0.03125, 0.03125),
+    (0.234375, 0.046875, 0.046875),
+    (0.171875, 0.015625, 0.015625),
+    (0.203125, 0.015625, 0.015625),
+    (0.21875, 0.03125, 0.03125),
+    (0.171875, 0.015625, 0.015625),
+]
+
+
+def test_the_gamed_reward_of_a_real_run_is_caught_when_the_window_fills():
+    # The probes measured the mutant's scale as (0, 1): a wrong answer 0, the reference 1.
+    out = divergence_warnings(GAMED_RUN, scale=(0.0, 1.0))
+    window = MonitorLimits().divergence_window
+    assert not any(warnings for _, warnings in out[: window - 1])
+    gaps, warnings = out[window - 1]
+    assert gaps["monitor/reward_strict_gap"] == pytest.approx(0.16015625)  # as the run logged
+    assert gaps["monitor/accuracy_strict_gap"] == 0.0  # the built-in accuracy is honest
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"step {window}: rewarded-as-right fraction - strict_accuracy = 0.16 "
+    )
+    # Every later step warns too; the accuracy never does.
+    assert all(len(w) == 1 for _, w in out[window - 1 :])
+
+
+def test_the_reward_is_read_on_the_scale_the_probes_measured():
+    # accuracy + 0.1 * format: a formatted wrong answer earns 0.1, a formatted right one 1.1.
+    # All formatted, a quarter right: the reward is a quarter of the way; no gap.
+    out = divergence_warnings([(0.1 + 0.25, 0.25, 0.25)] * 10, scale=(0.1, 1.1))
+    assert out[-1][0]["monitor/reward_strict_gap"] == pytest.approx(0.0, abs=1e-12)
+    assert not out[-1][1]
+    # Without a scale (a reward that pays right and wrong alike) only the accuracy is watched.
+    out = divergence_warnings([(1.0, 0.9, 0.1)] * 10, scale=None)
+    gaps, warnings = out[-1]
+    assert set(gaps) == {"monitor/accuracy_strict_gap"} and gaps[
+        "monitor/accuracy_strict_gap"
+    ] == pytest.approx(0.8)
+    assert len(warnings) == 1 and "accuracy - strict_accuracy" in warnings[0]
+
+
+def test_an_exact_reward_stricter_than_the_strict_check_is_no_warning():
+    # Exact match rejects "85abc", the strict check reads 85: the reward behind, never ahead.
+    out = divergence_warnings([(0.2, 0.2, 0.5)] * 12, scale=(0.0, 1.0))
+    assert not any(warnings for _, warnings in out)
+
+
+def test_steps_without_a_strict_accuracy_are_not_watched():
+    watch = RewardDivergence(MonitorLimits(), (0.0, 1.0))
+    assert watch.update(1, {"reward/mean": 1.0, "accuracy": 1.0}) == ({}, [])
+
+
 # --- In the trainer -----------------------------------------------------------------------------
 
 TINY = [
@@ -90,6 +174,10 @@ def test_the_trainer_records_the_monitored_quantities(tmp_path):
         assert row["monitor/ratio_dev"] == 0.0
         assert row["monitor/adv_group_sum"] <= group_sum_tol
         assert row["monitor/engine_gap"] <= engine_tol
+        # Exact match is never looser than the strict check: the reward never runs ahead.
+        assert row["strict_accuracy"] >= row["accuracy"]
+        assert row["monitor/accuracy_strict_gap"] <= 0
+        assert row["monitor/reward_strict_gap"] <= 0
         assert "warnings" not in row
 
 

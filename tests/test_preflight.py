@@ -40,6 +40,9 @@ def test_preflight_passes_on_the_demo_and_prints_json():
         "memory.worst_case",
         "rewards.variance",
         "logprobs.fused_vs_naive",
+        "rewards.reference",
+        "rewards.wrong_answer",
+        "rewards.echo",
     ]:
         assert extra in ids
     assert all(c["passed"] for c in report["checks"])
@@ -50,6 +53,17 @@ def test_preflight_table_and_exit_1_on_a_buggy_impl():
     assert out.returncode == 1
     assert "clip.asymmetric" in out.stdout and "FAIL" in out.stdout
     assert "likely bug" in out.stdout and "eps_low" in out.stdout
+
+
+def test_a_reward_that_accepts_the_echoed_question_fails_the_preflight():
+    mutant = f"{MUTANTS / 'reward_accepts_echo.py'}:evaluated_accuracy"
+    out = preflight(f"rewards.functions=[{mutant}]", *SMALL)
+    assert out.returncode == 1, out.stderr[-2000:]
+    text = " ".join(out.stdout.split())  # the table wraps; the FAIL lines name it all
+    assert "FAIL rewards.echo: rows where the prompt echoed or restated scores as much" in text
+    assert "first: reward 'evaluated_accuracy' gives the question restated as an expression" in text
+    assert "on train row 0 (" in text and "likely bug: a reward accepts the prompt echoed" in text
+    assert "FAIL rewards.reference" not in text and "FAIL rewards.wrong_answer" not in text
 
 
 def test_preflight_usage_errors_exit_2(tmp_path):

@@ -83,22 +83,24 @@ def test_two_same_seed_runs_with_two_threads_at_once_end_bit_identical(tmp_path)
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_sigkill_then_resume_ends_where_a_straight_run_ends(tmp_path, threads):
-    steps = 5
+    steps = 8
     straight = grpolab(*train_args(tmp_path / "straight", steps, threads), threads=threads)
     killed_dir = tmp_path / "killed"
     killed = grpolab(*train_args(killed_dir, steps, threads), threads=threads)
-    # Kill at a random moment once the first checkpoint exists (mid-step, mid-save, ...).
+    # Kill at a random moment after a random checkpoint (mid-step, mid-save, ...), at least two
+    # steps before the end.
+    rng = random.Random(threads)
+    target = killed_dir / f"checkpoint-{rng.randint(1, steps - 3)}"
     deadline = time.time() + 300
-    while latest_checkpoint(killed_dir) is None and killed.poll() is None:
-        assert time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    time.sleep(random.Random(threads).uniform(0.0, 1.5))
+    while not target.is_dir() and killed.poll() is None:
+        assert time.time() < deadline, "the checkpoint did not appear"
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0.0, 0.05))
     killed.kill()
     killed.communicate()
     rc, _, err = finish(straight)
     assert rc == 0, err
-    if latest_checkpoint(killed_dir).name == f"checkpoint-{steps}":
-        pytest.skip("the run finished before the kill (a very fast machine)")
+    assert latest_checkpoint(killed_dir).name != f"checkpoint-{steps}", "killed too late"
     rc, out, err = finish(
         grpolab(*train_args(killed_dir, steps, threads), "--resume", threads=threads)
     )

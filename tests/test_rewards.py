@@ -66,6 +66,21 @@ def test_accuracy_exact_for_arithmetic():
         ("first 3, then \\boxed{5}", "3", 0.0),
         ("no answer at all", "42", 0.0),
         ("", "7", 0.0),
+        # The final answer as written, never an expression evaluated from text that restates
+        # the question (math-verify alone parses "88 + 22 =" as 110).
+        ("88 + 22 =", "110", 0.0),
+        ("The answer is 56+91", "147", 0.0),
+        ("\\boxed{88 + 22}", "110", 0.0),
+        ("#### 88 + 22", "110", 0.0),
+        ("\\boxed{5x}", "5", 0.0),
+        ("88 + 22 = 110", "110", 1.0),
+        ("The answer is 110.", "110", 1.0),
+        ("37-48=-11", "-11", 1.0),
+        ("She pays $18.\n#### $18", "18", 1.0),
+        ("#### 18 dollars", "18", 1.0),
+        ("\\boxed{18 \\text{ dollars}}", "18", 1.0),
+        ("\\boxed{25\\%}", "25", 1.0),
+        ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),
     ],
 )
 def test_accuracy_math_mode(completion, reference, expected):

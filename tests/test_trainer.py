@@ -94,7 +94,14 @@ def test_demo_end_to_end_through_the_cli(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "held-out accuracy before GRPO" in printed and "GRPO objective" in printed
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("accuracy_before", "accuracy_after", "steps", "wall_seconds"):
+    for key in (
+        "accuracy_before",
+        "accuracy_after",
+        "strict_accuracy_before",
+        "strict_accuracy_after",
+        "steps",
+        "wall_seconds",
+    ):
         assert summary[key] is not None, key
     assert summary["steps"] == 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -104,6 +111,7 @@ def test_demo_end_to_end_through_the_cli(tmp_path, capsys):
         "reward/std",
         "rewards/accuracy/mean",
         "accuracy",
+        "strict_accuracy",
         "frac_reward_zero_std",
         "completion_length/mean",
         "loss",
@@ -132,7 +140,11 @@ def test_demo_end_to_end_through_the_cli(tmp_path, capsys):
     assert main(["report", str(out)]) == 0
     for name in ("reward.png", "kl.png", "clip_frac.png", "lengths.png", "time.png"):
         assert (out / name).stat().st_size > 1000, name
-    assert "Held-out accuracy" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "Held-out accuracy" in report and "Strict held-out accuracy" in report
+    # Sample completions beside the curves, with the strict verdict.
+    assert "### Step 1 (early)" in report and "### Step 2 (late)" in report
+    assert "| prompt | completion | answer | reward | strict |" in report
 
 
 def test_refuses_an_output_dir_holding_another_run(tmp_path):

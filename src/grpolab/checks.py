@@ -22,6 +22,8 @@ from grpolab import core
 from grpolab.core import CoreFunctions, Objective
 from grpolab.functions import impl_error_line
 from grpolab.models import eval_mode
+from grpolab.rewards import probes
+from grpolab.rewards.probes import ProbeReport
 
 GOALS = {
     1: "log-probs: shifted by one, float32 before log-softmax, temperature applied",
@@ -167,6 +169,14 @@ HINTS = {
     "position, in float32",
     "memory.worst_case": "the longest possible batch does not fit: lower "
     "max_completion_length or the minibatch size",
+    "rewards.reference": "a reward gives a probe more than the right answer: it must compare the "
+    "completion's final answer with the row's reference (the 'answer' column)",
+    "rewards.wrong_answer": "a reward accepts a wrong final answer: compare the final answer "
+    "as written (the last number, \\boxed{} or ####) with the reference, not any number the "
+    "completion contains",
+    "rewards.echo": "a reward accepts the prompt echoed or the question restated: never "
+    "evaluate an expression found in the completion (math-verify parses '88 + 22 =' as 110); "
+    "compare the final answer as written",
 }
 
 
@@ -1196,6 +1206,44 @@ def check_rewards(batch: PreflightBatch):
         "< 1 (some group varies)",
         zero < 1,
     )
+
+
+REWARD_PROBES = ("rewards.reference", "rewards.wrong_answer", "rewards.echo")
+
+
+def check_reward_probes(report: ProbeReport):
+    """The run's reward functions on hand-written completions for real task rows
+    (grpolab.rewards.probes: what each kind of reward can be asked)."""
+    rows = len(report.rows)
+    checking = report.answer_checking()
+    others = [n for n in report.values if n not in checking]
+    about = f"{rows} rows; answer-checking: {', '.join(checking) or 'none'}"
+    if others:
+        about += f"; not answer-checking (probed for the first demand only): {', '.join(others)}"
+    if report.not_probed:
+        about += f"; not probed (need token ids): {', '.join(report.not_probed)}"
+    for id, findings, breach in (
+        (REWARD_PROBES[0], probes.reference_findings(report), "a probe scores above the "
+         "reference answer"),
+        (REWARD_PROBES[1], probes.wrong_findings(report), "a wrong answer scores as much as "
+         "the reference"),
+        (REWARD_PROBES[2], probes.echo_findings(report), "the prompt echoed or restated "
+         "scores as much as the reference"),
+    ):  # fmt: skip
+        bad_rows = len({f.row for f in findings})
+        what = f"rows where {breach} ({about})"
+        failed = {n: e for n, e in report.errors.items() if e} if id == REWARD_PROBES[0] else {}
+        if failed:  # a function that fails on the probes cannot be asked anything
+            name, n = next(iter(failed.items()))
+            bad_rows = rows
+            what = (
+                f"reward {name!r} failed on {n} of {len(report.probes)} probes (its first error "
+                "is in the log)"
+            )
+        elif findings:
+            more = f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""
+            what = f"rows where {breach}; first: {findings[0].sentence()}{more}"
+        yield _result(id, 0, what, bad_rows, f"0 of {rows}", not findings and not failed)
 
 
 # --- Running them ------------------------------------------------------------------------------

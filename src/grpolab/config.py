@@ -134,6 +134,10 @@ class TrainerConfig:
     monitor: str = "warn"
     monitor_clip_frac_max: float = 0.3
     monitor_zero_std_max: float = 0.95
+    # Rewarded-as-right fraction minus strict accuracy, mean of the last 8 steps: above it, the
+    # reward pays for answers that are not the reference (a gamed reward). Raise it for tasks
+    # with symbolic answers, which math-verify matches and the text-exact strict check does not.
+    monitor_reward_strict_gap: float = 0.1
     num_threads: int | None = None  # torch CPU threads; None = torch's default
     report_to: list[str] = field(default_factory=list)  # tensorboard | wandb | trackio
     progress: bool = True  # progress bar with ETA
@@ -501,7 +505,7 @@ def validate(cfg: Config) -> None:
             "trainer.logprob_source=trainer: the weights are pi_trainer / pi_engine, so logp_old "
             "must be the trainer's",
         )
-    for key in ("monitor_clip_frac_max", "monitor_zero_std_max"):
+    for key in ("monitor_clip_frac_max", "monitor_zero_std_max", "monitor_reward_strict_gap"):
         value = getattr(t, key)
         _need(0 <= value <= 1, f"trainer.{key}", value, "a fraction in [0, 1]")
     for i, sink in enumerate(t.report_to):

@@ -1,14 +1,22 @@
-"""Held-out evaluation: greedy accuracy, and pass@k from n samples per problem."""
+"""Held-out evaluation: greedy accuracy, and pass@k from n samples per problem.
+
+Two accuracies are reported side by side: the reward-based one (the accuracy reward is 1) and
+the strict one (grpolab.strict: the final answer as written is exactly the reference), an
+independent check that a reward bug cannot also bend. They part ways when the reward is being
+gamed.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from grpolab.rewards import RewardResult, Rewards, RewardsConfig, load_rewards, score
 from grpolab.rollout.base import SamplingParams
+from grpolab.strict import strict_equal
 from grpolab.tasks.base import Example
 
 
@@ -47,6 +55,37 @@ def correct_answers(
     return correct(completions, per_completion, accuracy)
 
 
+def strict_correct(completions: Sequence[str], answers: Sequence[str]) -> torch.Tensor:
+    """[B] bool: the final answer as written is exactly the reference (grpolab.strict)."""
+    hits = [strict_equal(c, a) for c, a in zip(completions, answers, strict=True)]
+    return torch.tensor(hits, dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class HeldOutAccuracy:
+    accuracy: float  # percent: the accuracy reward is 1
+    strict_accuracy: float  # percent: the final answer is exactly the reference
+
+
+def evaluate_greedy(
+    engine,
+    examples: Sequence[Example],
+    rewards: Rewards,
+    max_completion_length: int,
+    batch_size: int = 500,
+) -> HeldOutAccuracy:
+    """Greedy reward-based and strict accuracy, in percent, on `examples`."""
+    hits = strict = 0
+    params = SamplingParams(temperature=0.0, max_completion_length=max_completion_length)
+    for s in range(0, len(examples), batch_size):
+        chunk = list(examples[s : s + batch_size])
+        rollout = engine.generate([e.prompt for e in chunk], 1, params)
+        hits += int(correct(rollout.completions, chunk, rewards).sum())
+        strict += int(strict_correct(rollout.completions, [e.answer for e in chunk]).sum())
+    n = max(1, len(examples))
+    return HeldOutAccuracy(100.0 * hits / n, 100.0 * strict / n)
+
+
 def evaluate_accuracy(
     engine,
     examples: Sequence[Example],
@@ -54,14 +93,8 @@ def evaluate_accuracy(
     max_completion_length: int,
     batch_size: int = 500,
 ) -> float:
-    """Greedy accuracy in percent on `examples`."""
-    hits = 0
-    params = SamplingParams(temperature=0.0, max_completion_length=max_completion_length)
-    for s in range(0, len(examples), batch_size):
-        chunk = list(examples[s : s + batch_size])
-        rollout = engine.generate([e.prompt for e in chunk], 1, params)
-        hits += int(correct(rollout.completions, chunk, rewards).sum())
-    return 100.0 * hits / max(1, len(examples))
+    """Greedy accuracy in percent on `examples` (the reward-based one)."""
+    return evaluate_greedy(engine, examples, rewards, max_completion_length, batch_size).accuracy
 
 
 def pass_at_k_estimate(n: int, c: int, k: int) -> float:

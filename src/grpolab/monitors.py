@@ -5,12 +5,14 @@ Each monitor reads one quantity from a step's metrics and, when it leaves its no
 returns a warning that names the quantity, the value, the step and the range. The loop
 prints them, records them in metrics.jsonl and, with `trainer.monitor: stop`, stops the run.
 A run of `trainer.max_consecutive_nonfinite` skipped steps stops it too, with a replay
-capsule of the last batch.
+capsule of the last batch. `RewardDivergence` watches a trend rather than a step: the
+training reward running ahead of the strict accuracy, the signature of a gamed reward.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,15 @@ class MonitorLimits:
     engine_gap: float = 1e-3  # |engine logp - trainer logp| on the sampled tokens
     clip_frac_max: float = 0.3  # a policy moving this far per step is unstable
     zero_std_max: float = 0.95  # groups with no reward variance teach nothing
+    # Rewarded-as-right fraction minus strict accuracy, as a mean over `divergence_window`
+    # steps. On numeric answers an honest reward and the strict check agree (the gap was 0 on
+    # every step of the demo and of a chat model's first steps); a reward that evaluated
+    # restated questions paid 11-19 % of a chat model's samples beyond the right ones from
+    # step 1 on. Averaging over steps keeps one lucky batch from warning. On symbolic answers
+    # (\sqrt{8} written 2\sqrt{2}) math-verify accepts what the text-exact strict check does
+    # not: raise the limit there.
+    reward_strict_gap: float = 0.1
+    divergence_window: int = 8
 
 
 def limits_for(trainer_cfg, model_dtype: str) -> MonitorLimits:
@@ -45,6 +56,7 @@ def limits_for(trainer_cfg, model_dtype: str) -> MonitorLimits:
         engine_gap=1e-3 if model_dtype == "float32" and trainer_cfg.autocast == "off" else 5e-2,
         clip_frac_max=trainer_cfg.monitor_clip_frac_max,
         zero_std_max=trainer_cfg.monitor_zero_std_max,
+        reward_strict_gap=trainer_cfg.monitor_reward_strict_gap,
     )
 
 
@@ -123,6 +135,75 @@ def check_step(
             expected = f"{'>=' if w.lower else '<='} {limit:g}"
             warnings.append(f"step {step}: {w.name} = {value:.3g}, expected {expected} ({w.why})")
     return warnings
+
+
+class RewardDivergence:
+    """The training reward against the strict accuracy of the same samples.
+
+    A gamed reward pays for completions whose final answer is not the reference (the question
+    restated as "88 + 22 =", a number anywhere in the text), so the share of samples it rewards
+    as right runs ahead of the share that are right. Two gaps per step, each a fraction of the
+    step's samples:
+
+      accuracy  `accuracy` (the accuracy reward is 1) - `strict_accuracy`
+      reward    the training reward as a fraction of the way from a wrong answer to the right
+                one, (reward/mean - wrong) / (right - wrong) clipped to [0, 1], -
+                `strict_accuracy`; `scale` = (wrong, right) is the run's total reward for a wrong
+                and for the reference answer on real task rows (grpolab.rewards.probes). Not
+                watched without a scale: a reward that pays a right and a wrong answer alike
+                (format only) says nothing about correctness.
+
+    Each gap is averaged over the last `limits.divergence_window` steps (recorded as
+    monitor/accuracy_strict_gap and monitor/reward_strict_gap); once the window is full, an
+    average above `limits.reward_strict_gap` is a warning. Only the reward running ahead is
+    one: an exact-match reward is stricter than the strict check, never looser.
+    """
+
+    GAPS = (
+        (
+            "monitor/accuracy_strict_gap",
+            "accuracy - strict_accuracy",
+            "the accuracy reward accepts final answers that are not the reference",
+        ),
+        (
+            "monitor/reward_strict_gap",
+            "rewarded-as-right fraction - strict_accuracy",
+            "the training reward pays for final answers that are not the reference",
+        ),
+    )
+
+    def __init__(self, limits: MonitorLimits, scale: tuple[float, float] | None = None):
+        self.limits = limits
+        self.scale = scale
+        self.history = {key: deque(maxlen=limits.divergence_window) for key, _, _ in self.GAPS}
+
+    def update(self, step: int, metrics: dict) -> tuple[dict[str, float], list[str]]:
+        """(the windowed gaps to record, warnings) after one step's metrics."""
+        strict = metrics.get("strict_accuracy")
+        if not _known(strict):
+            return {}, []
+        # The fraction of the step's samples each measure calls right.
+        called_right = {"monitor/accuracy_strict_gap": metrics.get("accuracy")}
+        reward = metrics.get("reward/mean")
+        if self.scale is not None and _known(reward):
+            wrong, right = self.scale
+            fraction = (reward - wrong) / (right - wrong)
+            called_right["monitor/reward_strict_gap"] = min(1.0, max(0.0, fraction))
+        recorded, warnings = {}, []
+        for key, name, why in self.GAPS:
+            if not _known(called_right.get(key)):
+                continue
+            window = self.history[key]
+            window.append(called_right[key] - strict)
+            recorded[key] = mean = sum(window) / len(window)
+            limit = self.limits.reward_strict_gap
+            if len(window) == window.maxlen and mean > limit:
+                warnings.append(
+                    f"step {step}: {name} = {mean:.3g} over the last {len(window)} steps, "
+                    f"expected <= {limit:g} ({why}: the signature of a gamed reward; read the "
+                    "completions beside their reference answers)"
+                )
+        return recorded, warnings
 
 
 def _known(value) -> bool:

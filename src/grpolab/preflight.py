@@ -2,8 +2,9 @@
 
 A real rollout batch from the configured task is sampled (a few groups), scored by the
 configured rewards, and every check runs on it, plus the checks that need the trainer:
-gradient invariance to the minibatch split and a worst-case-length dry run. `preflight_gate`
-runs them before training starts and refuses to start when one fails.
+gradient invariance to the minibatch split and a worst-case-length dry run; and the reward
+probes: hand-written completions for real task rows scored by the configured rewards.
+`preflight_gate` runs them before training starts and refuses to start when one fails.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from grpolab.core import CoreFunctions
 from grpolab.models import eval_mode
 from grpolab.monitors import limits_for
 from grpolab.rewards import score
+from grpolab.rewards.probes import probe_rows, run_probes
 from grpolab.rollout.common import encode_prompts
 from grpolab.setup import Run, build_run, load_start_model, resolve_device
 
@@ -317,6 +319,8 @@ def run_preflight(run: Run) -> list[CheckResult]:
     s = settings_from_config(cfg)
     batch, _ = sample_batch(run)
     results = checks.run_checks(model, batch, s, functions)
+    report = run_probes(probe_rows(run.task), run.rewards, run.tokenizer)
+    results += list(checks.check_reward_probes(report))
     with eval_mode(model, zero_grad=True):
         model64 = float64_copy(model)  # both gradient checks' reference
         if cfg.trainer.logprobs == "fused":

@@ -1,4 +1,6 @@
-"""`grpolab report RUN_DIR`: PNG plots of metrics.jsonl and a one-page summary (report.md)."""
+"""`grpolab report RUN_DIR`: PNG plots of metrics.jsonl and a one-page summary (report.md)
+with sample completions from early, middle and late steps: a reward that is being gamed draws
+a rising curve, and only the completions show what it pays for."""
 
 from __future__ import annotations
 
@@ -6,7 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from grpolab.strict import strict_equal
 from grpolab.tracking import read_jsonl
+
+SAMPLES_PER_STEP = 4  # completions shown for each of the early, middle and late steps
 
 # (file name, title, [(metric, label)], y label)
 PLOTS = (
@@ -16,7 +21,9 @@ PLOTS = (
         [
             ("reward/mean", "reward mean"),
             ("accuracy", "accuracy"),
+            ("strict_accuracy", "strict accuracy"),
             ("eval_accuracy_frac", "held-out"),
+            ("eval_strict_accuracy_frac", "held-out strict"),
         ],
         "",
     ),
@@ -82,13 +89,19 @@ def write_report(run_dir: str | Path) -> Path:
         raise FileNotFoundError(f"{str(run_dir)!r} holds no metrics.jsonl with records")
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    held_out = (("eval_accuracy", "accuracy"), ("eval_strict_accuracy", "strict_accuracy"))
     for r in rows:  # held-out accuracy is logged in percent; plot it as a fraction
-        if isinstance(r.get("eval_accuracy"), (int, float)):
-            r["eval_accuracy_frac"] = r["eval_accuracy"] / 100
-    if isinstance(summary.get("accuracy_before"), (int, float)):  # before and after GRPO
-        rows.insert(0, {"step": 0, "eval_accuracy_frac": summary["accuracy_before"] / 100})
-    if isinstance(summary.get("accuracy_after"), (int, float)):
-        rows[-1]["eval_accuracy_frac"] = summary["accuracy_after"] / 100
+        for key, _ in held_out:
+            if isinstance(r.get(key), (int, float)):
+                r[f"{key}_frac"] = r[key] / 100
+    before = {"step": 0}  # held-out accuracy before and after GRPO, from the summary
+    for key, name in held_out:
+        if isinstance(summary.get(f"{name}_before"), (int, float)):
+            before[f"{key}_frac"] = summary[f"{name}_before"] / 100
+        if isinstance(summary.get(f"{name}_after"), (int, float)):
+            rows[-1][f"{key}_frac"] = summary[f"{name}_after"] / 100
+    if len(before) > 1:
+        rows.insert(0, before)
     window = max(1, len(rows) // 30)
     written = []
     for name, title, series, ylabel in PLOTS:
@@ -98,7 +111,7 @@ def write_report(run_dir: str | Path) -> Path:
             steps, values = _series(rows, key)
             if not steps:
                 continue
-            if key == "eval_accuracy_frac":
+            if key.startswith("eval_"):
                 ax.plot(steps, values, "o-", label=label)
             else:
                 ax.plot(steps, values, alpha=0.25)
@@ -115,7 +128,7 @@ def write_report(run_dir: str | Path) -> Path:
             written.append(name)
         plt.close(fig)
 
-    rows = [r for r in rows if len(r) > 2 or "eval_accuracy_frac" not in r]  # drop step 0
+    rows = [r for r in rows if r is not before]
     last = rows[-1]
 
     def mean_of(key: str, tail: int = 20) -> str:
@@ -130,6 +143,12 @@ def write_report(run_dir: str | Path) -> Path:
                 f"**Held-out accuracy: {before:.1f}% -> {after:.1f}% "
                 f"({after - before:+.1f} points)** on {summary.get('eval_examples')} problems."
             )
+        strict = summary.get("strict_accuracy_before"), summary.get("strict_accuracy_after")
+        if None not in strict:
+            lines.append(
+                f"Strict held-out accuracy (the final answer exactly the reference): "
+                f"{strict[0]:.1f}% -> {strict[1]:.1f}%."
+            )
         lines.append(
             f"Steps: {summary.get('steps')}, skipped (non-finite): "
             f"{summary.get('skipped_steps', 0)}, wall time: {summary.get('wall_seconds', 0):.0f} s."
@@ -143,6 +162,8 @@ def write_report(run_dir: str | Path) -> Path:
     for key in (
         "reward/mean",
         "accuracy",
+        "strict_accuracy",
+        "monitor/reward_strict_gap",
         "frac_reward_zero_std",
         "completion_length/mean",
         "loss",
@@ -158,7 +179,44 @@ def write_report(run_dir: str | Path) -> Path:
             shown = f"{v:.4g}" if isinstance(v, (int, float)) else "n/a"
             lines.append(f"| {key} | {shown} | {mean_of(key)} |")
     lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in written]
+    lines += ["", *sample_completions(read_jsonl(run_dir / "completions.jsonl"))]
     report = run_dir / "report.md"
     report.write_text("\n".join(lines) + "\n")
     print(f"wrote {report} and {len(written)} plots: {', '.join(written)}")
     return report
+
+
+def sample_completions(records: list[dict[str, Any]], n: int = SAMPLES_PER_STEP) -> list[str]:
+    """report.md's section of completions.jsonl: the first, middle and last logged steps, up
+    to n completions each, with their reward and whether the final answer is the reference."""
+    lines = ["## Sample completions", ""]
+    steps = sorted({r["step"] for r in records if isinstance(r.get("step"), int)})
+    if not steps:
+        return [*lines, "No completions were logged (trainer.log_completions_steps=0)."]
+    lines += [
+        "The training reward beside the strict check (the final answer, as written, is exactly "
+        "the reference). A reward that pays where the strict check says no is being gamed.",
+        "",
+    ]
+    picked = {steps[len(steps) // 2]: "middle"}  # step -> label: first and last win ties
+    picked |= {steps[-1]: "late"} | {steps[0]: "early"}
+    for step in sorted(picked):
+        lines += [f"### Step {step} ({picked[step]})", ""]
+        lines += ["| prompt | completion | answer | reward | strict |", "|---|---|---|---|---|"]
+        for r in [r for r in records if r.get("step") == step][:n]:
+            completion, answer = str(r.get("completion", "")), str(r.get("answer", ""))
+            verdict = "yes" if strict_equal(completion, answer) else "**no**"
+            reward = r.get("reward")
+            shown = f"{reward:.3g}" if isinstance(reward, (int, float)) else "n/a"
+            cells = (_cell(r.get("prompt", "")), _cell(completion), _cell(answer), shown, verdict)
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _cell(text: Any, width: int = 160) -> str:
+    """A markdown table cell: one line, pipes escaped, long texts cut in the middle."""
+    text = str(text).replace("`", "'").replace("|", "\\|").replace("\n", " ⏎ ")
+    if len(text) > width:
+        text = text[: width // 2 - 2] + " … " + text[-(width // 2 - 2) :]
+    return f"`{text}`" if text.strip() else "(empty)"

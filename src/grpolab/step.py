@@ -23,7 +23,7 @@ import torch
 
 from grpolab import core, seeds
 from grpolab import dist as dist_module
-from grpolab.evaluate import correct_answers
+from grpolab.evaluate import correct_answers, strict_correct
 from grpolab.rewards import RewardResult, score
 from grpolab.rollout.base import Rollout
 from grpolab.setup import Run, old_logprobs_from_loss_forward
@@ -43,6 +43,7 @@ class StepBatch:
     completion_mask: torch.Tensor  # [B, T]
     scores: RewardResult  # rewards per function, totals and their metrics
     correct: torch.Tensor  # [B] bool: the accuracy reward is 1
+    strict: torch.Tensor  # [B] bool: the final answer as written is the reference (grpolab.strict)
     advantages: torch.Tensor  # [B]: this rank's rows of the global batch's advantages
     adv_group_sum: float  # max |sum of a group's advantages| over the global batch: ~0
     engine_logprobs: torch.Tensor | None  # [B, T-1], the engine's own, when it reports them
@@ -136,6 +137,8 @@ def collect(run: Run, step: int) -> StepBatch:
 
     tic = time.perf_counter()
     correct = correct_answers(scores, rollout.completions, examples, run.rewards, run.accuracy)
+    answers = [e.answer for e in examples for _ in range(G)]
+    strict = strict_correct(rollout.completions, answers)  # independent of the rewards
     # Advantages over the global batch ("batch" scaling needs every rank's rewards).
     all_rewards = dist_module.all_gather_cat(scores.total, d)  # [B_global]
     kwargs = core.accepted_kwargs(run.functions.group_advantages, o.advantage_kwargs())
@@ -157,6 +160,7 @@ def collect(run: Run, step: int) -> StepBatch:
         completion_mask=rollout.completion_mask.to(dev),
         scores=scores,
         correct=correct,
+        strict=strict,
         advantages=advantages.to(dev),
         adv_group_sum=adv_group_sum,
         engine_logprobs=(
@@ -492,6 +496,7 @@ def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, An
     metrics: dict[str, Any] = {
         **batch.scores.metrics,  # reward/mean|std, rewards/<fn>/mean, zero-std groups, lengths
         "accuracy": float(batch.correct.float().mean()),
+        "strict_accuracy": float(batch.strict.float().mean()),
         **{k: v / max(tokens, 1.0) for k, v in token_sums.items()},  # token-weighted means
         "loss": sum(losses) / len(losses),  # the loss each optimizer step saw
         "grad_norm": sum(norms) / len(norms) if norms else float("nan"),

@@ -22,6 +22,7 @@ from rich.progress import (
 CONSOLE_FIELDS = (
     ("reward/mean", "reward", ".3f"),
     ("accuracy", "acc", ".2f"),
+    ("strict_accuracy", "strict", ".2f"),
     ("frac_reward_zero_std", "zero_std", ".2f"),
     ("completion_length/mean", "len", ".1f"),
     ("loss", "loss", ".4f"),

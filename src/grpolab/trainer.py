@@ -36,16 +36,18 @@ from grpolab.checkpoint import (
 )
 from grpolab.config import Config, to_dict, to_yaml
 from grpolab.core import CoreFunctions
-from grpolab.evaluate import accuracy_rewards, evaluate_accuracy, evaluate_pass_at_k
+from grpolab.evaluate import accuracy_rewards, evaluate_greedy, evaluate_pass_at_k
 from grpolab.monitors import (
     MonitorStop,
     NonFiniteError,
+    RewardDivergence,
     check_step,
     count_nonfinite,
     limits_for,
     write_capsule,
 )
 from grpolab.preflight import preflight_gate
+from grpolab.rewards.probes import reward_scale
 from grpolab.rundir import check_output_dir, prepare_output_dir
 from grpolab.setup import (
     Run,
@@ -79,6 +81,7 @@ class Session:
     progress: dict[str, Any] = field(default_factory=dict)
     wall_start: float = field(default_factory=time.time)
     tracker: Tracker | None = None
+    divergence: RewardDivergence | None = None  # the reward against the strict accuracy
     step: int = 0  # the last step taken
 
     def wall_seconds(self) -> float:
@@ -168,7 +171,13 @@ def start(
 
 
 # The loop's state that checkpoints keep (besides the run's).
-PROGRESS_KEYS = ("accuracy_before", "eval_history", "wall_seconds", "config_changes")
+PROGRESS_KEYS = (
+    "accuracy_before",
+    "strict_accuracy_before",
+    "eval_history",
+    "wall_seconds",
+    "config_changes",
+)
 
 
 def gate(session: Session, skip_preflight: bool) -> None:
@@ -197,8 +206,11 @@ def gate(session: Session, skip_preflight: bool) -> None:
         log_dir, cfg.trainer.report_to, to_dict(cfg), console, resume_step=session.start_step
     )
     if session.resume_dir is None:
-        session.progress["accuracy_before"] = held_out_accuracy(session, "before GRPO")
+        before, strict_before = held_out_accuracy(session, "before GRPO")
+        session.progress |= {"accuracy_before": before, "strict_accuracy_before": strict_before}
     session.progress.setdefault("eval_history", [])
+    scale = reward_scale(run.task, run.rewards, run.tokenizer)  # wrong vs right total reward
+    session.divergence = RewardDivergence(limits_for(cfg.trainer, cfg.model.dtype), scale)
 
 
 # --- The steps ---------------------------------------------------------------------------------
@@ -255,6 +267,9 @@ def watch(session: Session, step: int, metrics: dict, batch: StepBatch, console)
     trainer_logp_old = t.logprob_source == "trainer"
     watched = metrics | {"nonfinite": batch.nonfinite}
     warnings = check_step(step, watched, limits, trainer_logp_old)
+    gaps, diverging = session.divergence.update(step, metrics)  # the reward running ahead
+    metrics |= gaps
+    warnings += diverging
     if warnings:
         metrics["warnings"] = warnings
         for w in warnings:
@@ -266,7 +281,8 @@ def record(session: Session, step: int, metrics: dict, batch: StepBatch) -> None
     """Held-out accuracy every eval_steps, metrics.jsonl, sample completions."""
     t = session.run.cfg.trainer
     if t.eval_steps and step % t.eval_steps == 0 and step < session.run.cfg.max_steps:
-        metrics["eval_accuracy"] = held_out_accuracy(session, f"at step {step}")
+        accuracy, strict = held_out_accuracy(session, f"at step {step}")
+        metrics["eval_accuracy"], metrics["eval_strict_accuracy"] = accuracy, strict
         session.progress["eval_history"].append([step, metrics["eval_accuracy"]])
     session.tracker.log(step, metrics)
     if t.log_completions_steps and (step == 1 or step % t.log_completions_steps == 0):
@@ -301,21 +317,22 @@ def save(session: Session, step: int) -> Path:
     return save_run(session.run, session.run_dir, step, progress)
 
 
-def held_out_accuracy(session: Session, label: str) -> float | None:
-    """Greedy accuracy in percent on the task's held-out problems (None when there are none
-    or trainer.eval_examples=0)."""
+def held_out_accuracy(session: Session, label: str) -> tuple[float | None, float | None]:
+    """(accuracy, strict accuracy), greedy, in percent on the task's held-out problems (None
+    when there are none or trainer.eval_examples=0)."""
     run, t = session.run, session.run.cfg.trainer
     if t.eval_examples == 0 or not run.task.eval:
-        return None
+        return None, None
     tic = time.perf_counter()
     length = t.eval_max_completion_length or run.cfg.rollout.max_completion_length
     examples = run.task.eval[: t.eval_examples]
-    acc = evaluate_accuracy(run.engine, examples, run.accuracy, length)
+    held_out = evaluate_greedy(run.engine, examples, run.accuracy, length)
     session.console.print(
-        f"held-out accuracy {label}: [bold]{acc:.1f}%[/bold] ({len(examples)} problems, "
-        f"greedy, {time.perf_counter() - tic:.1f} s)"
+        f"held-out accuracy {label}: [bold]{held_out.accuracy:.1f}%[/bold], strict "
+        f"{held_out.strict_accuracy:.1f}% ({len(examples)} problems, greedy, "
+        f"{time.perf_counter() - tic:.1f} s)"
     )
-    return acc
+    return held_out.accuracy, held_out.strict_accuracy
 
 
 # --- Finish ------------------------------------------------------------------------------------
@@ -327,12 +344,15 @@ def finish(session: Session) -> dict[str, Any]:
     trained = cfg.max_steps > session.start_step or session.resume_dir is None
     checkpoint = save(session, cfg.max_steps) if trained else session.resume_dir
     before = session.progress.get("accuracy_before")
-    after = held_out_accuracy(session, "after GRPO")
+    strict_before = session.progress.get("strict_accuracy_before")
+    after, strict_after = held_out_accuracy(session, "after GRPO")
     session.tracker.close()
     summary = {
         "accuracy_before": before,
         "accuracy_after": after,
         "accuracy_gain": None if before is None or after is None else after - before,
+        "strict_accuracy_before": strict_before,
+        "strict_accuracy_after": strict_after,
         "steps": session.step,
         "skipped_steps": run.skipped_steps,
         "eval_history": session.progress["eval_history"],
@@ -349,7 +369,8 @@ def finish(session: Session) -> dict[str, Any]:
     if before is not None and after is not None:
         console.print(
             f"[bold]held-out accuracy: {before:.1f}% before GRPO -> {after:.1f}% after "
-            f"{session.step} steps ({after - before:+.1f} points)[/bold] in "
+            f"{session.step} steps ({after - before:+.1f} points)[/bold]; strict "
+            f"{percent(strict_before)} -> {percent(strict_after)}; in "
             f"{summary['wall_seconds']:.0f} s; run directory {session.log_dir}"
         )
     return summary
@@ -393,6 +414,10 @@ class StopRequests:
             signal.signal(number, handler)
 
 
+def percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}%"
+
+
 def last_checkpoint_note(run_dir: Path) -> str:
     latest = latest_checkpoint(run_dir)
     return f"The last checkpoint is {latest}." if latest else "No checkpoint was saved."
@@ -429,8 +454,12 @@ def run_eval(
     engine = task_engine(cfg, model, tokenizer)
     accuracy = accuracy_rewards(cfg.rewards, cfg.task)
     length = cfg.trainer.eval_max_completion_length or cfg.rollout.max_completion_length
-    result = {"accuracy": evaluate_accuracy(engine, held_out, accuracy, length)}
-    console.print(f"accuracy (greedy): {result['accuracy']:.1f}% on {len(held_out)} problems")
+    greedy = evaluate_greedy(engine, held_out, accuracy, length)
+    result = {"accuracy": greedy.accuracy, "strict_accuracy": greedy.strict_accuracy}
+    console.print(
+        f"accuracy (greedy): {greedy.accuracy:.1f}% on {len(held_out)} problems; strict "
+        f"{greedy.strict_accuracy:.1f}% (the final answer exactly the reference)"
+    )
     if pass_at_k:
         key = f"pass@{pass_at_k}"
         result[key] = evaluate_pass_at_k(

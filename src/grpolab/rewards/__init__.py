@@ -152,11 +152,13 @@ def score(
     rewards: RewardsLike | None = None,
     num_generations: int | None = None,
     zero_std_eps: float = 1e-4,
+    completion_ids: Sequence[Sequence[int]] | None = None,
 ) -> RewardResult:
     """Reward every sample; combine with weights; report per-function means and errors.
 
     examples: one per prompt (repeated over its G samples) or one per sample, in rollout order.
-    With plain completions, num_generations gives G (default: one group of all samples).
+    With plain completions, num_generations gives G (default: one group of all samples) and
+    completion_ids their token ids (needed by the 'overlong' reward).
     """
     if not isinstance(rewards, Rewards):
         rewards = load_rewards(rewards)
@@ -184,6 +186,10 @@ def score(
     columns["answer"] = [ex.answer for ex in per_sample]
     if rollout is not None:
         columns["completion_ids"] = _completion_ids(rollout)
+    elif completion_ids is not None:
+        if len(completion_ids) != B:
+            raise ValueError(f"{len(completion_ids)} completion_ids for {B} completions")
+        columns["completion_ids"] = [list(ids) for ids in completion_ids]
     elif any(fn.needs_token_ids for fn in rewards):
         raise ValueError("the 'overlong' reward needs token ids: score a Rollout")
 

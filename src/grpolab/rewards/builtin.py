@@ -1,9 +1,11 @@
 """The built-in reward functions, with the TRL signature f(completions, **columns) -> list.
 
-accuracy  1.0 when the completion's answer equals the reference. mode "exact": the stripped
-          completion is the answer (the arithmetic task: "85" then EOS); mode "math": the answer
-          is extracted (the last \\boxed{...}, else the text after "####", else the last
-          expression) and compared with math-verify, so "\\frac{1}{2}" equals "0.5".
+accuracy  1.0 when the completion's final answer, as written, equals the reference. mode
+          "exact": the stripped completion is the answer (the arithmetic task: "85" then EOS);
+          mode "math": the answer is the last \\boxed{...}, else the text after "####", else
+          (numeric references) the last number; numbers compare by value, other references by
+          math-verify, so "\\frac{1}{2}" equals "0.5". Nothing that restates the question as an
+          expression ("88 + 22 =") is evaluated into an answer (see math_equal).
 format    1.0 when the completion matches a regular expression (re.search, DOTALL).
 overlong  DAPO's soft overlong punishment: 0 up to max_length - buffer tokens, then falling
           linearly to -1 at max_length (truncated completions get -1).
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
+from fractions import Fraction
 
 ACCURACY_MODES = ("auto", "exact", "math")
 DEFAULT_FORMAT_PATTERN = r"\\boxed\{.+\}|####\s*\S+"
@@ -28,9 +31,26 @@ def accuracy_math(completions: list[str], answer: list[str], **_: object) -> lis
 
 
 def math_equal(completion: str, reference: str) -> bool:
-    """Whether the answer in `completion` equals `reference`, by math-verify."""
+    """Whether the completion's final answer, as written, equals `reference`.
+
+    The final answer is the last \\boxed{...}, else the text after the last "####". For a
+    numeric reference ("110", "2,280", "0.5") a completion with neither gives its last number;
+    the answer must be written as a number (85, 2,280, $18, 25%, 18 dollars, \\frac{1}{2}, 3/4)
+    and is compared by value. No expression is evaluated: "88 + 22 =" and \\boxed{88+22}
+    restate the question and do not answer 110. Any other reference (\\frac12, \\sqrt{8}, an
+    interval) is a mathematical object: math-verify compares it with the marked answer (or,
+    with none, with what it extracts from the completion), so \\boxed{2\\sqrt{2}} equals
+    \\sqrt{8}.
+    """
     if completion.strip() == reference.strip():
         return True
+    marked = _marked_answer(completion)
+    gold_number = _written_number(reference)
+    if gold_number is not None:
+        if marked is None:
+            numbers = _NUMBER_IN_TEXT.findall(completion)
+            marked = numbers[-1] if numbers else None
+        return marked is not None and _written_number(marked) == gold_number
     try:
         from math_verify import parse, verify
     except ImportError as e:  # a dependency of grpolab; missing only in a broken install
@@ -40,9 +60,7 @@ def math_equal(completion: str, reference: str) -> bool:
     gold = _parse_reference(reference)
     if not gold:
         return False
-    text = completion
-    if "\\boxed" not in text and "####" in text:
-        text = text.rsplit("####", 1)[1].replace(",", "")
+    text = completion if marked is None else f"${marked}$"
     # math-verify bounds each parse/compare with SIGALRM, which exists only in the main thread.
     limit = 5 if threading.current_thread() is threading.main_thread() else None
     predicted = parse(text, extraction_config=_extraction_config(), parsing_timeout=limit)
@@ -51,21 +69,61 @@ def math_equal(completion: str, reference: str) -> bool:
     return bool(verify(list(gold), predicted, timeout_seconds=limit))
 
 
+# The minus of "37-48" is an operator, not a sign; thousands commas belong to the number.
+_NUMBER_IN_TEXT = re.compile(
+    r"(?:(?<![\w)\]])-)?(?<![\d.])(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
+)
+_WRITTEN_NUMBER = re.compile(
+    r"(?P<sign>-?)(?:(?P<int>\d{1,3}(?:,\d{3})+|\d+)(?P<dec>\.\d+)?"
+    r"|\\[dt]?frac\{(?P<fnum>\d+)\}\{(?P<fden>\d+)\}|(?P<num>\d+)/(?P<den>\d+))"
+    r"(?:\s*%|\s+[a-zA-Z][a-zA-Z ]*)?"  # a percent sign or unit words: "25%", "18 dollars"
+)
+_NOT_THE_ANSWER = re.compile(r"\\text\{([^{}]*)\}|\\mathrm\{([^{}]*)\}|\\[,!;:]|\\?\$")
+
+
+def _written_number(text: str) -> Fraction | None:
+    """The value of a text that is one number as people write it; None for anything else."""
+    t = _NOT_THE_ANSWER.sub(r" \1\2", text.replace("{,}", ",").replace("\u2212", "-"))
+    m = _WRITTEN_NUMBER.fullmatch(t.replace("\\%", "%").strip().removesuffix(".").strip())
+    if m is None:
+        return None
+    if m["int"] is not None:
+        value = Fraction(m["int"].replace(",", "") + (m["dec"] or ""))
+    else:
+        num, den = int(m["fnum"] or m["num"]), int(m["fden"] or m["den"])
+        if den == 0:
+            return None
+        value = Fraction(num, den)
+    return -value if m["sign"] else value
+
+
+def _marked_answer(completion: str) -> str | None:
+    """The last \\boxed{...}'s content (nested braces kept), else the rest of the line after
+    the last "####"; None when the completion marks no answer."""
+    at = completion.rfind("\\boxed{")
+    if at >= 0:
+        depth = 0
+        for i in range(at + len("\\boxed{"), len(completion)):
+            ch = completion[i]
+            if ch == "}" and depth == 0:
+                return completion[at + len("\\boxed{") : i]
+            depth += {"{": 1, "}": -1}.get(ch, 0)
+        return None
+    if "####" in completion:
+        return completion.rsplit("####", 1)[1].strip().split("\n", 1)[0]
+    return None
+
+
 @functools.lru_cache(maxsize=65536)
 def _parse_reference(reference: str) -> tuple:
     from math_verify import parse
 
     limit = 5 if threading.current_thread() is threading.main_thread() else None
-    text = reference.replace(",", "") if _looks_numeric(reference) else reference
-    for candidate in (text, f"${text}$"):
+    for candidate in (reference, f"${reference}$"):
         gold = parse(candidate, extraction_config=_extraction_config(), parsing_timeout=limit)
         if gold:
             return tuple(gold)
     return ()
-
-
-def _looks_numeric(text: str) -> bool:
-    return bool(re.fullmatch(r"\s*-?[\d,]*\.?\d+\s*", text))
 
 
 @functools.cache

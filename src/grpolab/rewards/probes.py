@@ -1,0 +1,273 @@
+"""Reward probes: completions written by hand for real task rows, scored by the run's rewards.
+
+A reward that can be gamed is found before training, not after: for each probed row the
+probes are
+
+  reference  the reference answer as a model writes it: bare ("85"), in a sentence ("The answer
+             is 85."), \\boxed{85}, "#### 85", <answer>85</answer>, and the row's worked solution
+             when the task has one (GSM8K's "solution" column)
+  wrong      a wrong answer written the same ways (a number + 1, else another row's answer)
+  echo       the prompt echoed back
+  restated   each arithmetic expression of the prompt given as the answer: "88 + 22 =",
+             "The answer is 88+22", \\boxed{88 + 22}, "#### 88 + 22"
+
+and every reward function of the run scores them through `score`, as the trainer does. What a
+function can honestly be asked depends on what it rewards:
+
+  every function   no probe of a row scores above the reference's best writing
+                   (`reference_findings`)
+  answer-checking  a function that scores the reference above the wrong answer on some row:
+                   on every row, the wrong answer (`wrong_findings`), the echoed prompt and the
+                   restated question (`echo_findings`) score below the reference's best
+  the others       format, length or style rewards, which give a right and a wrong answer the
+                   same value on every row: they do not claim to check answers, so only the
+                   first demand holds for them
+
+A probe whose final answer is the reference by the strict check (grpolab.strict: a prompt that
+ends with its own answer) does answer the row and is left out.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+
+from grpolab.rewards import Rewards, score
+from grpolab.strict import strict_answer, strict_equal
+from grpolab.tasks.base import Example, Task
+
+PROBE_ROWS = 8  # training rows probed, spread over the task's training set
+PROBE_KINDS = ("reference", "wrong", "echo", "restated")
+DESCRIBED = {
+    "reference": "the reference answer",
+    "wrong": "a wrong answer",
+    "echo": "the prompt echoed",
+    "restated": "the question restated as an expression",
+}
+# "88 + 22", "37+48", "3 * 4 - 1": numbers joined by arithmetic operators.
+_EXPRESSION = re.compile(r"\d+(?:\.\d+)?(?:\s*[-+*/×÷^]\s*\d+(?:\.\d+)?)+")
+_OPERATOR = re.compile(r"\s*([-+*/×÷^])\s*")
+
+
+@dataclass(frozen=True)
+class Probe:
+    row: int  # position in ProbeReport.rows
+    kind: str  # one of PROBE_KINDS
+    text: str
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One (function, row) where a probe scores what it should not."""
+
+    function: str
+    row: int  # the row's index in the task's training set
+    prompt: str
+    kind: str  # the kind of the probe that scored too high
+    probe: str
+    value: float
+    reference: str  # the reference's best-scoring writing
+    top: float  # its score
+
+    def sentence(self) -> str:
+        """'reward 'accuracy' gives the question restated as an expression '88 + 22 =' 1, as
+        much as the reference '110' (1), on train row 17 ('What is 88 + 22?')'."""
+        than = "as much as" if self.value <= self.top else "more than"
+        return (
+            f"reward {self.function!r} gives {DESCRIBED[self.kind]} {_short(self.probe)} "
+            f"{self.value:g}, {than} the reference {_short(self.reference)} ({self.top:g}), "
+            f"on train row {self.row} ({_short(self.prompt)})"
+        )
+
+
+@dataclass
+class ProbeReport:
+    rows: list[tuple[int, Example]]  # (index in task.train, example)
+    probes: list[Probe]
+    values: dict[str, list[float | None]]  # function -> its unweighted value per probe
+    total: list[float]  # the weighted sum per probe: the reward the trainer trains on
+    errors: dict[str, int]  # function -> probes that got the fallback
+    not_probed: list[str] = field(default_factory=list)  # needs token ids, no tokenizer given
+
+    def answer_checking(self) -> list[str]:
+        """The functions that score the reference above the wrong answer on some row."""
+        out = []
+        for name, values in self.values.items():
+            for row in range(len(self.rows)):
+                top, _ = self._best(values, row, ("reference",))
+                wrong, _ = self._best(values, row, ("wrong",))
+                if top is not None and wrong is not None and top > wrong + _tol(top, wrong):
+                    out.append(name)
+                    break
+        return out
+
+    def reward_scale(self) -> tuple[float, float] | None:
+        """(wrong, right): the mean over rows of the total reward of the best-scoring wrong
+        answer and of the best-scoring reference writing. None when the total does not tell
+        them apart (then no fraction of "rewarded as right" can be read from the reward)."""
+        total = list(self.total)
+        pairs = [
+            (self._best(total, row, ("wrong",))[0], self._best(total, row, ("reference",))[0])
+            for row in range(len(self.rows))
+        ]
+        pairs = [(w, r) for w, r in pairs if w is not None and r is not None]
+        if not pairs:
+            return None
+        wrong = sum(w for w, _ in pairs) / len(pairs)
+        right = sum(r for _, r in pairs) / len(pairs)
+        return (wrong, right) if right > wrong + _tol(right, wrong) else None
+
+    def _best(self, values, row: int, kinds: tuple[str, ...]) -> tuple[float | None, int | None]:
+        """The highest value among the row's probes of `kinds`, and that probe's position."""
+        best, at = None, None
+        for i, p in enumerate(self.probes):
+            v = values[i]
+            if p.row == row and p.kind in kinds and v is not None and (best is None or v > best):
+                best, at = v, i
+        return best, at
+
+    def _findings(self, names: Sequence[str], kinds: tuple[str, ...], strict: bool):
+        """Per (function, row): the worst probe of `kinds` scoring at least the reference's
+        best (strict=True) or more than it (strict=False)."""
+        found = []
+        for name in names:
+            values = self.values[name]
+            for row, (index, example) in enumerate(self.rows):
+                top, top_at = self._best(values, row, ("reference",))
+                worst, worst_at = self._best(values, row, kinds)
+                if top is None or worst is None:
+                    continue
+                tol = _tol(top, worst)
+                if worst >= top - tol if strict else worst > top + tol:
+                    p, best = self.probes[worst_at], self.probes[top_at].text
+                    found.append(
+                        Finding(name, index, example.prompt, p.kind, p.text, worst, best, top)
+                    )
+        return found
+
+
+def reference_findings(report: ProbeReport) -> list[Finding]:
+    """Every function: a probe of a row that scores above the reference's best writing."""
+    return report._findings(list(report.values), ("wrong", "echo", "restated"), strict=False)
+
+
+def wrong_findings(report: ProbeReport) -> list[Finding]:
+    """Answer-checking functions: a wrong answer that scores as much as the reference."""
+    return report._findings(report.answer_checking(), ("wrong",), strict=True)
+
+
+def echo_findings(report: ProbeReport) -> list[Finding]:
+    """Answer-checking functions: the prompt echoed or restated that scores as much as the
+    reference."""
+    return report._findings(report.answer_checking(), ("echo", "restated"), strict=True)
+
+
+def probe_rows(task: Task, n: int = PROBE_ROWS) -> list[tuple[int, Example]]:
+    """n training rows spread evenly over the task's training set (all of a smaller one)."""
+    size = len(task.train)
+    if size <= n:
+        indices = list(range(size))
+    else:
+        indices = sorted({round(i * (size - 1) / (n - 1)) for i in range(n)})
+    return [(i, task.train[i]) for i in indices]
+
+
+def build_probes(rows: Sequence[tuple[int, Example]]) -> list[Probe]:
+    answers = [example.answer for _, example in rows]
+    probes = []
+    for row, (_, example) in enumerate(rows):
+        solution = example.columns.get("solution")
+        for text in writings(example.answer, solution if isinstance(solution, str) else None):
+            probes.append(Probe(row, "reference", text))
+        wrong = wrong_answer(example.answer, answers)
+        if wrong is not None:
+            wrong_solution = None
+            if isinstance(solution, str) and "####" in solution:
+                wrong_solution = solution.rsplit("####", 1)[0] + f"#### {wrong}"
+            for text in writings(wrong, wrong_solution):
+                probes.append(Probe(row, "wrong", text))
+        probes.append(Probe(row, "echo", example.prompt))
+        for expression in _EXPRESSION.findall(example.prompt)[-2:]:
+            spaced = _OPERATOR.sub(r" \1 ", expression)
+            compact = _OPERATOR.sub(r"\1", expression)
+            for text in (
+                f"{spaced} =",
+                f"The answer is {compact}",
+                f"\\boxed{{{spaced}}}",
+                f"#### {spaced}",
+            ):
+                probes.append(Probe(row, "restated", text))
+    # A probe that does answer its row by the strict check is not a wrong one.
+    return [
+        p
+        for p in probes
+        if p.kind == "reference" or not strict_equal(p.text, rows[p.row][1].answer)
+    ]
+
+
+def writings(answer: str, solution: str | None = None) -> list[str]:
+    """An answer as models write it."""
+    out = [
+        answer,
+        f"The answer is {answer}.",
+        f"\\boxed{{{answer}}}",
+        f"#### {answer}",
+        f"<answer>{answer}</answer>",
+    ]
+    return out + ([solution] if solution else [])
+
+
+def wrong_answer(answer: str, answers: Sequence[str]) -> str | None:
+    """A wrong answer to a row: a number one further from 0, else another row's answer."""
+    try:
+        value = Decimal(answer.replace(",", "").strip())
+    except InvalidOperation:
+        value = None
+    if value is not None and value.is_finite():
+        return str(value - 1 if value < 0 else value + 1)
+    mine = strict_answer(answer)
+    return next((a for a in answers if strict_answer(a) != mine), None)
+
+
+def run_probes(
+    rows: Sequence[tuple[int, Example]], rewards: Rewards, tokenizer=None
+) -> ProbeReport:
+    """Score every probe of `rows` with `rewards` through `score`, as the trainer does.
+    tokenizer: for the token ids of rewards that need them ('overlong'); without one those
+    functions are not probed."""
+    rows = list(rows)
+    probes = build_probes(rows)
+    texts = [p.text for p in probes]
+    ids = None
+    if tokenizer is not None:
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + eos for t in texts]
+    not_probed = [] if ids is not None else [fn.name for fn in rewards if fn.needs_token_ids]
+    probed = Rewards(fn for fn in rewards if fn.name not in not_probed)
+    if not probed or not probes:
+        return ProbeReport(rows, probes, {}, [0.0] * len(probes), {}, not_probed)
+    result = score(
+        texts, [rows[p.row][1] for p in probes], probed, num_generations=1, completion_ids=ids
+    )
+    values = {
+        name: [None if v != v else float(v) for v in t.tolist()]  # NaN: not applicable
+        for name, t in result.per_function.items()
+    }
+    return ProbeReport(rows, probes, values, result.total.tolist(), result.errors, not_probed)
+
+
+def reward_scale(task: Task, rewards: Rewards, tokenizer=None) -> tuple[float, float] | None:
+    """(wrong, right) of the run's total reward on the probes of `task` (ProbeReport)."""
+    return run_probes(probe_rows(task), rewards, tokenizer).reward_scale()
+
+
+def _tol(a: float, b: float) -> float:
+    # Rewards are float32 sums of a few weighted terms: equal values differ by rounding only.
+    return 1e-6 * max(1.0, abs(a), abs(b))
+
+
+def _short(text: str, width: int = 60) -> str:
+    text = " ".join(text.split())
+    return repr(text if len(text) <= width else text[: width - 3] + "...")
