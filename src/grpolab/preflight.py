@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -28,12 +29,23 @@ from grpolab import checks, core, seeds
 from grpolab.checks import CheckResult, PreflightBatch, PreflightSettings
 from grpolab.config import Config
 from grpolab.core import CoreFunctions
-from grpolab.models import eval_mode
+from grpolab.memory import (
+    MB,
+    MemoryBreakdown,
+    adamw_state_mb,
+    kv_cache_mb,
+    peak_memory,
+    release_freed_memory,
+    rss_mb,
+    tensor_mb,
+    total_memory_mb,
+)
+from grpolab.models import base_model, eval_mode
 from grpolab.monitors import limits_for
 from grpolab.rewards import score
 from grpolab.rewards.probes import probe_rows, run_probes
 from grpolab.rollout.common import encode_prompts
-from grpolab.setup import Run, build_run, load_start_model, resolve_device
+from grpolab.setup import BatchPlan, Run, build_run, load_start_model, resolve_device
 
 PREFLIGHT_ROWS = 32  # sequences in the preflight batch (whole groups, at least two)
 
@@ -44,6 +56,7 @@ def settings_from_config(cfg: Config) -> PreflightSettings:
         engine_gap_max=limits_for(cfg.trainer, cfg.model.dtype).engine_gap,
         seed=cfg.seed,
         shared_prefix=cfg.trainer.shared_prefix,
+        grad_rows=BatchPlan.of(cfg).micro,  # the trainer's forward + backward rows
     )
 
 
@@ -171,6 +184,7 @@ def check_split_invariance(
     scaling equals the gradient in one pass (the wrong normaliser under accumulation shows
     here): both against the one-pass gradient of the same functions on a float64 copy."""
     o = s.objective
+    batch = checks.grad_rows(batch, s)
     B = batch.input_ids.shape[0]
     advantages = torch.tensor([1.0, -0.5] * (B // 2) + [1.0] * (B % 2))
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, o.temperature)
@@ -223,6 +237,7 @@ def check_fused_logprobs(model, batch: PreflightBatch, s: PreflightSettings, mod
     copy of the model: values and the gradient reaching the model's parameters."""
     from grpolab.logprobs import shared_prefix_status, split_model, token_logprobs
 
+    batch = checks.grad_rows(batch, s)
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature)
 
     def trainers(model, *args):
@@ -256,46 +271,96 @@ def _max_gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
 
-def check_worst_case_memory(impl: CoreFunctions, model, cfg: Config, rows: int, prompt_tokens: int):
-    """Forward + backward of one micro-batch of `rows` sequences at the longest prompt +
-    max_completion_length."""
-    T = prompt_tokens + cfg.rollout.max_completion_length
+def check_worst_case_memory(impl: CoreFunctions, run: Run, cfg: Config, prompt_tokens: int):
+    """Forward + backward of one micro-batch at the longest prompt + max_completion_length
+    (each group's G rows sharing their prompt, as a rollout's do), measured; then the peak of
+    a training step predicted from it and from what the run holds (`MemoryBreakdown`)."""
+    t = cfg.trainer
+    model = run.model
+    G = t.num_generations
+    rows = run.plan.micro
+    L = cfg.rollout.max_completion_length
+    T = prompt_tokens + L
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().weight.shape[0]
-    input_ids = torch.randint(0, vocab, (rows, T), generator=torch.Generator().manual_seed(0))
-    input_ids = input_ids.to(device)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, vocab, (-(-rows // G), prompt_tokens), generator=gen)
+    completions = torch.randint(0, vocab, (rows, L), generator=gen)
+    input_ids = torch.cat([prompts.repeat_interleave(G, dim=0)[:rows], completions], dim=1)
+    input_ids = input_ids.to(device)  # [rows, T]
     attention_mask = torch.ones_like(input_ids)
     completion_mask = torch.zeros_like(input_ids)
     completion_mask[:, prompt_tokens:] = 1
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    tic = time.perf_counter()
-    logp, mask = impl.sequence_logprobs(
-        model, input_ids, attention_mask, completion_mask, cfg.rollout.temperature or 1.0
-    )
-    kwargs = cfg.objective.loss_kwargs() | {"beta": 0.0}
-    loss, _ = impl.grpo_loss(
-        logp, logp.detach(), None, torch.ones(rows, device=device), mask,
-        **core.accepted_kwargs(impl.grpo_loss, kwargs),
-    )  # fmt: skip
-    loss.backward()
     model.zero_grad(set_to_none=True)
+    model.train()  # as the trainer runs it: gradient checkpointing and dropout on
+    tic = time.perf_counter()
+    with peak_memory(device) as probe:
+        logp, mask = impl.sequence_logprobs(
+            model, input_ids, attention_mask, completion_mask, cfg.rollout.temperature or 1.0
+        )
+        loss, _ = impl.grpo_loss(
+            logp, logp.detach(), None, torch.ones(rows, device=device), mask,
+            loss_agg=t.loss_type, max_completion_length=L,
+        )  # fmt: skip
+        loss.backward()
+        del logp, mask, loss
     seconds = time.perf_counter() - tic
-    if cuda:
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
-        what = f"peak GPU memory, {rows} x {T} tokens fwd+bwd ({seconds:.2f} s)"
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        what = f"peak process RSS, {rows} x {T} tokens fwd+bwd ({seconds:.2f} s)"
+    model.zero_grad(set_to_none=True)
+    breakdown = memory_breakdown(run, cfg, T, probe["growth"])
+    cuda = device.type == "cuda"
+    limit = torch.cuda.get_device_properties(device).total_memory / MB if cuda else None
+    limit = limit or total_memory_mb()
+    peak_so_far = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    where = "GPU memory" if cuda else "process RSS"
     yield CheckResult(
         "memory.worst_case",
         0,
-        what,
-        round(peak, 1),
-        "fits (MB)",
-        True,
+        f"predicted peak {where} of a step (MB) = {breakdown.describe()}; measured on "
+        f"{rows} x {T} tokens fwd+bwd ({seconds:.1f} s)"
+        + ("" if cuda else f"; process peak so far {peak_so_far:.0f}"),
+        round(breakdown.peak, 1),
+        "fits" if limit is None else f"<= {limit:.0f} MB (this machine)",
+        limit is None or breakdown.peak <= limit,
         checks.HINTS["memory.worst_case"],
+    )
+
+
+def memory_breakdown(run: Run, cfg: Config, tokens: int, probe_growth: float) -> MemoryBreakdown:
+    """What a training step of `run` holds at its peak, with the worst-case micro-batch's
+    forward + backward measured (`probe_growth` MB above the memory in use before it, which
+    includes the gradients it allocated)."""
+    model = run.model
+    device = next(model.parameters()).device
+    weights = tensor_mb([*model.parameters(), *model.buffers()])
+    trained = [p for p in model.parameters() if p.requires_grad]
+    gradients = tensor_mb(trained)
+    reference = 0.0
+    if run.ref_model is not None:
+        reference = tensor_mb([*run.ref_model.parameters(), *run.ref_model.buffers()])
+    if device.type == "cuda":
+        runtime = torch.cuda.memory_allocated(device) / MB - weights - reference
+    else:
+        release_freed_memory()
+        runtime = (rss_mb() or 0.0) - weights - reference
+    dtype = next(model.parameters()).dtype
+    rows = cfg.batch_size
+    config = base_model(model).config
+    if cfg.rollout.engine == "vllm":
+        # Its own copy of the weights and, on CPU, VLLM_CPU_KVCACHE_SPACE GiB of KV cache.
+        space = 0.0 if device.type == "cuda" else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
+        rollout = weights + space * 1024
+    else:
+        eval_length = cfg.trainer.eval_max_completion_length or cfg.rollout.max_completion_length
+        longest = tokens + max(0, eval_length - cfg.rollout.max_completion_length)
+        rollout = kv_cache_mb(config, rows, longest, dtype)
+    return MemoryBreakdown(
+        runtime=max(0.0, runtime),
+        weights=weights,
+        gradients=gradients,
+        optimizer=adamw_state_mb(trained),
+        reference=reference,
+        activations=max(0.0, probe_growth - gradients),
+        rollout=rollout,
     )
 
 
@@ -336,8 +401,9 @@ def run_preflight(run: Run) -> list[CheckResult]:
         if functions.path is None:  # memory of grpolab's own path; a learner's is not sized
             prompt_tokens = longest_prompt_tokens(run)
             results += checks.guarded(
-                functions, ("memory.worst_case",), 0, check_worst_case_memory, functions, model,
-                cfg, run.plan.micro, prompt_tokens,
+                functions, ("memory.worst_case",), 0, check_worst_case_memory, functions, run,
+                cfg,
+                prompt_tokens,
             )  # fmt: skip
     return results
 

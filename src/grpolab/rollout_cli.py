@@ -20,6 +20,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from grpolab.jsonout import json_stdout, print_json
+
 
 def add_rollout_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("rollout", help="sample, score and show a few groups (no training)")
@@ -40,7 +42,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         print(f"grpolab: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(report, allow_nan=False))
+        print_json(json.dumps(report, allow_nan=False))
     else:
         print_report(report, console)
     return 0
@@ -52,7 +54,7 @@ def run_rollout(
     from grpolab import seeds
     from grpolab.config import load_config
     from grpolab.rewards import load_rewards, score
-    from grpolab.setup import load_start_model, resolve_device, task_engine
+    from grpolab.setup import load_start_model, model_source, resolve_device, task_engine
     from grpolab.tasks import load_task
 
     cfg = load_config(config, overrides)
@@ -66,7 +68,10 @@ def run_rollout(
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
-    engine = task_engine(cfg, model, tokenizer, model_path=cfg.model.name_or_path)
+    # A separate engine (vLLM) reads the model from where the trainer did (a GGUF model's
+    # converted directory); the demo model is saved for it.
+    path = model_source(cfg) if cfg.model.name_or_path else None
+    engine = task_engine(cfg, model, tokenizer, model_path=path)
     examples = task.sample(min(n_prompts, len(task.train)), seeds.prompt_order(cfg.seed))
     rollout = engine.generate([e.prompt for e in examples], G, cfg.rollout.sampling(cfg.seed))
     result = score(rollout, examples, rewards)
@@ -131,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpolab")
     add_rollout_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["rollout", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    with json_stdout(args.json):
+        return args.func(args)
 
 
 if __name__ == "__main__":

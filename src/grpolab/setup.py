@@ -22,7 +22,7 @@ from grpolab.core import CoreFunctions
 from grpolab.dist import Dist
 from grpolab.evaluate import accuracy_rewards
 from grpolab.functions import core_functions
-from grpolab.models import load_policy
+from grpolab.models import load_policy, resolve_model_source
 from grpolab.rewards import Rewards, load_rewards
 from grpolab.rollout import build_engine
 from grpolab.tasks import Task, load_task
@@ -96,21 +96,29 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_start_model(cfg: Config, device: torch.device):
-    """The model training starts from: a local directory / hub id, or the shipped demo model."""
-    source = cfg.model.name_or_path
-    if source is None:
+def model_source(cfg: Config) -> str:
+    """What `from_pretrained` reads for the configured model: the shipped demo model, a
+    local directory or hub id, or the Hugging Face directory a GGUF file or a packaged
+    model's short name is converted to (once, into model.cache_dir)."""
+    m = cfg.model
+    if m.name_or_path is None:
         if not (DEMO_MODEL_DIR / "config.json").is_file():
             raise FileNotFoundError(
                 f"the built-in demo model is missing at {DEMO_MODEL_DIR}; regenerate it with "
                 "`grpolab warmup`"
             )
-        source = str(DEMO_MODEL_DIR)
-    elif not Path(source).expanduser().exists() and (
+        return str(DEMO_MODEL_DIR)
+    source = m.name_or_path
+    if not Path(source).expanduser().exists() and (
         source.startswith((".", "/", "~")) or source.count("/") > 1  # a hub id is "org/name"
     ):
         raise FileNotFoundError(f"model.name_or_path={source!r} does not exist")
-    return load_policy(source, dtype=cfg.model.dtype, device=device)
+    return resolve_model_source(source, m.gguf_file, m.cache_dir)
+
+
+def load_start_model(cfg: Config, device: torch.device):
+    """The model training starts from, and its tokenizer (`model_source`)."""
+    return load_policy(model_source(cfg), dtype=cfg.model.dtype, device=device)
 
 
 def build_run(

@@ -125,6 +125,7 @@ def collect(run: Run, step: int) -> StepBatch:
     cfg, d, o = run.cfg, run.dist, run.cfg.objective
     G = cfg.trainer.num_generations
     timings: dict[str, float] = {}
+    run.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: not held meanwhile
     examples, rollout, scores = sample_and_score(run, step, 0, timings)
     loss_rows, counts = None, {}
     if o.dynamic_sampling:

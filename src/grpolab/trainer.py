@@ -37,6 +37,7 @@ from grpolab.checkpoint import (
 from grpolab.config import Config, to_dict, to_yaml
 from grpolab.core import CoreFunctions
 from grpolab.evaluate import accuracy_rewards, evaluate_greedy, evaluate_pass_at_k
+from grpolab.memory import limit_heap_retention, release_freed_memory
 from grpolab.monitors import (
     MonitorStop,
     NonFiniteError,
@@ -125,6 +126,7 @@ def start(
     wall_start = time.time()
     console = console or wide_console()
     transformers.utils.logging.disable_progress_bar()
+    limit_heap_retention()  # freed activations go back to the system, not to a growing heap
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     device = dist_module.local_device(resolve_device(cfg.model.device))
@@ -202,6 +204,7 @@ def gate(session: Session, skip_preflight: bool) -> None:
             "config checks the same quantities on one process"
         )
     preflight_gate(run, log_dir, console, skip=skip_preflight or sharded)
+    release_freed_memory()  # the preflight's copies and full-vocabulary logits
     session.tracker = Tracker(
         log_dir, cfg.trainer.report_to, to_dict(cfg), console, resume_step=session.start_step
     )
@@ -326,7 +329,9 @@ def held_out_accuracy(session: Session, label: str) -> tuple[float | None, float
     tic = time.perf_counter()
     length = t.eval_max_completion_length or run.cfg.rollout.max_completion_length
     examples = run.task.eval[: t.eval_examples]
-    held_out = evaluate_greedy(run.engine, examples, run.accuracy, length)
+    run.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: not held meanwhile
+    # Batches of a training rollout's size: no larger a KV cache than training needs.
+    held_out = evaluate_greedy(run.engine, examples, run.accuracy, length, run.cfg.batch_size)
     session.console.print(
         f"held-out accuracy {label}: [bold]{held_out.accuracy:.1f}%[/bold], strict "
         f"{held_out.strict_accuracy:.1f}% ({len(examples)} problems, greedy, "

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from grpolab.drill.texts import LANGS, msg, pick_lang
+from grpolab.jsonout import print_json
 
 DEFAULT_DIR = "grpo-drill"
 ACTIONS = ("init", "check")
@@ -51,7 +52,7 @@ def cmd_check(directory: Path, lang: str, as_json: bool) -> int:
     state.record(report)
     save_state(directory, state)
     if as_json:
-        print(json.dumps(report.to_json(), indent=2, default=str))
+        print_json(json.dumps(report.to_json(), indent=2, default=str))
     else:
         paint = render.Painter.for_stream(sys.stdout)
         print("\n".join(render.report_lines(report, lang, paint)))

@@ -306,12 +306,14 @@ class VLLMEngine:
         G = num_generations
         prompt_ids = checked_prompt_ids(self, prompts, G, params)
         truncating = params.temperature > 0 and (params.top_k > 0 or params.top_p < 1)
+        # Greedy decoding gives G equal samples: vLLM refuses n > 1 there, so one, copied.
+        copies = G if params.temperature == 0 else 1
         requests, sampling = [], []
         for i, ids in enumerate(prompt_ids):
             requests.append(self._vllm.inputs.TokensPrompt(prompt_token_ids=ids))
             sampling.append(
                 self._vllm.SamplingParams(
-                    n=G,
+                    n=G // copies,
                     temperature=params.temperature,
                     top_p=params.top_p,
                     top_k=params.top_k,
@@ -336,10 +338,9 @@ class VLLMEngine:
                         f"last token is {ids[-1:]} (stop ids {self.stop_ids}): cannot tell "
                         "whether it was truncated"
                     )
-                completion_ids.append(ids)
-                logprobs.append(
-                    [step[token].logprob for step, token in zip(sample.logprobs, ids, strict=True)]
-                )
+                lp = [step[token].logprob for step, token in zip(sample.logprobs, ids, strict=True)]
+                completion_ids += [ids] * copies
+                logprobs += [lp] * copies
         return assemble_rollout(
             prompts,
             prompt_ids,

@@ -13,9 +13,12 @@ ARITHMETIC_ENUMERATE_LIMIT = 200_000
 DEFAULT_SAMPLED_TRAIN = 100_000
 
 
-def make_example(a: int, op: str, b: int) -> Example:
+def make_example(a: int, op: str, b: int, template: str | None = None) -> Example:
+    """ "37+48=" -> "85"; a task.prompt_template such as "What is {a} {op} {b}?" words the
+    prompt instead (the answer stays the number)."""
     answer = str(OPERATORS[op](a, b))
-    return Example(prompt=f"{a}{op}{b}=", answer=answer, columns={"a": a, "op": op, "b": b})
+    prompt = f"{a}{op}{b}=" if template is None else template.format(a=a, op=op, b=b)
+    return Example(prompt=prompt, answer=answer, columns={"a": a, "op": op, "b": b})
 
 
 def load_arithmetic(cfg: TaskConfig) -> Task:
@@ -45,14 +48,22 @@ def load_arithmetic(cfg: TaskConfig) -> Task:
         eval_problems, train_problems = problems[: cfg.num_eval], problems[cfg.num_eval :]
     return Task(
         name="arithmetic",
-        train=[make_example(*p) for p in train_problems],
-        eval=[make_example(*p) for p in eval_problems],
+        train=[make_example(*p, cfg.prompt_template) for p in train_problems],
+        eval=[make_example(*p, cfg.prompt_template) for p in eval_problems],
         config=cfg,
     )
 
 
 def validate_arithmetic(cfg: TaskConfig) -> list[str]:
     ops = list(dict.fromkeys(cfg.operators))
+    if cfg.prompt_template is not None:
+        try:
+            cfg.prompt_template.format(a=1, op="+", b=2)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"task.prompt_template={cfg.prompt_template!r}: arithmetic fills only {{a}}, "
+                f"{{op}} and {{b}} ({e!r})"
+            ) from None
     bad = [op for op in ops if op not in OPERATORS]
     if not ops or bad:
         raise ValueError(

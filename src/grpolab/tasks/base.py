@@ -38,7 +38,8 @@ class TaskConfig:
     prompt_field: str | None = None
     answer_field: str | None = None
     # Formatted with the row's fields; "{prompt}" is the prompt field's text. None: the task's
-    # default ("{prompt}"; gsm8k adds an instruction to end with "#### <answer>").
+    # default ("{prompt}"; gsm8k adds an instruction to end with "#### <answer>"; arithmetic
+    # writes "{a}{op}{b}=" and fills {a}, {op}, {b} in a template such as "What is {a} {op} {b}?").
     prompt_template: str | None = None
     chat_template: bool = False  # render prompts through the tokenizer's chat template
     system_prompt: str | None = None  # with chat_template: a system message first

