@@ -5,7 +5,9 @@ same arithmetic prompts in the same order (grpolab's draw for the seed, given to
 unshuffled dataset), score them with the same exact-match reward, and run with the same
 settings: G, prompts per step, max completion length, temperature, learning rate (constant),
 AdamW betas, grad clipping, epsilon / epsilon_high, beta, loss aggregation (TRL loss_type),
-group reward scaling, one optimizer step per generation batch, float32 on the CPU.
+group reward scaling, one optimizer step per generation batch, float32 on the CPU. Two
+pairings (PAIRINGS), each trainer computing its own advantages: grpolab's defaults against
+TRL set to match them, and grpolab's `trainer.profile=trl` against TRL's own defaults.
 
 Each (trainer, seed) runs in its own process, so peak RSS (ru_maxrss) is its own. Step time
 is the median over the steps after the first; the split is generation / log-probs (+ reward)
@@ -31,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,12 @@ import torch
 
 # grpolab loss aggregation -> TRL loss_type with the same formula.
 LOSS_TYPES = {"sequence": "grpo", "token": "bnpo", "constant": "dr_grpo"}
+# The fair pairings, each trainer computing its own advantages:
+#   matched:      grpolab's defaults (the seed profile) against TRL configured to match as far
+#                 as TRL can (loss_type, epsilon_high, no KL bias correction); TRL has no
+#                 population std and no zero-std guard, so those two stay TRL's.
+#   trl_defaults: grpolab with trainer.profile=trl against TRL's GRPOConfig defaults.
+PAIRINGS = ("matched", "trl_defaults")
 
 
 @dataclass
@@ -56,6 +64,7 @@ class Settings:
     adam_beta2: float = 0.99
     max_grad_norm: float = 1.0
     threads: int = 1
+    pairing: str = "matched"
 
 
 @dataclass
@@ -90,11 +99,9 @@ def grpolab_config(s: Settings, seed: int, output_dir: str):
             f"rollout.max_completion_length={s.max_completion_length}",
             f"trainer.prompts_per_step={s.prompts_per_step}",
             f"trainer.num_generations={s.num_generations}",
-            f"trainer.epsilon={s.epsilon}",
-            f"trainer.epsilon_high={s.epsilon_high}",
+            *objective_overrides(s),
             f"trainer.beta={s.beta}",
             "trainer.num_iterations=1",
-            f"trainer.loss_type={s.loss_agg}",
             "trainer.scale_rewards=group",
             f"trainer.learning_rate={s.learning_rate}",
             "trainer.lr_scheduler=constant",
@@ -105,6 +112,17 @@ def grpolab_config(s: Settings, seed: int, output_dir: str):
             "trainer.progress=false",
         ],
     )
+
+
+def objective_overrides(s: Settings) -> list[str]:
+    """grpolab's side of the pairing: its profile, or the explicit clip and loss settings."""
+    if s.pairing == "trl_defaults":
+        return ["trainer.profile=trl"]
+    return [
+        f"trainer.epsilon={s.epsilon}",
+        f"trainer.epsilon_high={s.epsilon_high}",
+        f"trainer.loss_type={s.loss_agg}",
+    ]
 
 
 def prompt_stream(s: Settings, seed: int) -> list[tuple[str, str]]:
@@ -195,12 +213,6 @@ def trl_args(s: Settings, seed: int, output_dir: str, **overrides):
         weight_decay=0.0,
         max_grad_norm=s.max_grad_norm,
         beta=s.beta,
-        # TRL 1.16 multiplies the KL term by the importance ratio by default; grpolab's loss is
-        # the plain k3 KL (the GRPO paper's), so the matching TRL setting turns that off.
-        use_bias_correction_kl=False,
-        epsilon=s.epsilon,
-        epsilon_high=s.epsilon_high,
-        loss_type=LOSS_TYPES[s.loss_agg],
         scale_rewards="group",
         shuffle_dataset=False,
         use_vllm=False,
@@ -213,6 +225,15 @@ def trl_args(s: Settings, seed: int, output_dir: str, **overrides):
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+    if s.pairing == "matched":
+        kwargs.update(
+            # TRL 1.16 multiplies the KL term by the importance ratio by default; grpolab's
+            # seed loss is the plain k3 KL (the GRPO paper's): the matching setting is off.
+            use_bias_correction_kl=False,
+            epsilon=s.epsilon,
+            epsilon_high=s.epsilon_high,
+            loss_type=LOSS_TYPES[s.loss_agg],
+        )
     kwargs.update(overrides)
     return GRPOConfig(**kwargs)
 
@@ -437,6 +458,59 @@ def summarize(results: list[WorkerResult]) -> dict[str, float]:
     }
 
 
+def compare_pairing(s: Settings, seeds: list[int]) -> dict[str, Any]:
+    """Both trainers under one pairing, seed by seed; prints the table and reward curves."""
+    what = {
+        "matched": f"grpolab defaults (seed) vs TRL set to match (loss {s.loss_agg}/"
+        f"{LOSS_TYPES[s.loss_agg]}, epsilon_high {s.epsilon_high}, no KL bias correction; "
+        "TRL keeps its sample std, no zero-std guard)",
+        "trl_defaults": "grpolab trainer.profile=trl vs TRL's GRPOConfig defaults (dapo, "
+        "epsilon_high = epsilon, KL bias correction)",
+    }[s.pairing]
+    print(f"\npairing {s.pairing}: {what}")
+    results: dict[str, list[WorkerResult]] = {"grpolab": [], "trl": []}
+    for seed in seeds:  # interleaved: a change of machine load hits both
+        for kind in ("grpolab", "trl"):
+            results[kind].append(run_worker(kind, s, seed))
+    ours, theirs = summarize(results["grpolab"]), summarize(results["trl"])
+    print(
+        "time: median over every seed's steps after the first; peak RSS: max over seeds; "
+        "reward: mean of the last 3 steps, mean over seeds"
+    )
+    header = f"{'':<14}{'step s':>9}{'gen s':>9}{'logp s':>9}{'update s':>10}{'RSS MB':>9}"
+    header += f"{'tok/s':>9}{'reward':>9}"
+    print(header)
+    print("-" * len(header))
+    for name, row in (("grpolab", ours), ("TRL", theirs)):
+        print(
+            f"{name:<14}{row['step_s']:>9.3f}{row['generation_s']:>9.3f}{row['logprobs_s']:>9.3f}"
+            f"{row['update_s']:>10.3f}{row['peak_rss_mb']:>9.0f}{row['tokens_per_s']:>9.0f}"
+            f"{row['final_reward']:>9.3f}"
+        )
+    ratio = {k: ours[k] / theirs[k] if theirs[k] else float("nan") for k in ours}
+    print(
+        f"{'grpolab/TRL':<14}{ratio['step_s']:>9.2f}{ratio['generation_s']:>9.2f}"
+        f"{ratio['logprobs_s']:>9.2f}{ratio['update_s']:>10.2f}{ratio['peak_rss_mb']:>9.2f}"
+        f"{ratio['tokens_per_s']:>9.2f}"
+    )
+    print("mean reward per step (mean over seeds)")
+    curves = {
+        k: [statistics.mean(col) for col in zip(*(r.rewards for r in v), strict=True)]
+        for k, v in results.items()
+    }
+    print("step     " + "".join(f"{i:>6}" for i in range(1, s.steps + 1)))
+    for k, curve in curves.items():
+        print(f"{k:<9}" + "".join(f"{x:>6.3f}" for x in curve))
+    return {
+        "grpolab": ours,
+        "trl": theirs,
+        "ratio": ratio,
+        "reward_curves": curves,
+        "final_reward_diff": ours["final_reward"] - theirs["final_reward"],
+        "results": results,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=10)
@@ -448,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-generations", type=int, default=Settings.num_generations)
     p.add_argument("--max-completion-length", type=int, default=Settings.max_completion_length)
     p.add_argument("--temperature", type=float, default=Settings.temperature)
+    p.add_argument(
+        "--pairings", nargs="+", choices=PAIRINGS, default=list(PAIRINGS), help="see PAIRINGS"
+    )
     p.add_argument("--json", help="write the results to this file")
     p.add_argument("--worker", choices=["grpolab", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -478,43 +555,19 @@ def main(argv: list[str] | None = None) -> int:
         f"grpolab vs TRL {trl.__version__} GRPOTrainer | tiny Llama (demo-warmup), CPU fp32, "
         f"{s.threads} thread(s) | {s.steps} steps, {s.prompts_per_step} prompts x G="
         f"{s.num_generations}, max_completion_length {s.max_completion_length}, "
-        f"loss {s.loss_agg}/{LOSS_TYPES[s.loss_agg]}, beta {s.beta} | seeds {args.seeds} | "
-        f"load average {load}"
+        f"beta {s.beta} | seeds {args.seeds} | load average {load}"
     )
-    results: dict[str, list[WorkerResult]] = {"grpolab": [], "trl": []}
-    for seed in args.seeds:  # interleaved: a change of machine load hits both
-        for kind in ("grpolab", "trl"):
-            results[kind].append(run_worker(kind, s, seed))
-    ours, theirs = summarize(results["grpolab"]), summarize(results["trl"])
-
-    print(
-        "time: median over every seed's steps after the first; peak RSS: max over seeds; "
-        "reward: mean of the last 3 steps, mean over seeds"
+    pairings = {}
+    for pairing in args.pairings:
+        pairings[pairing] = compare_pairing(replace(s, pairing=pairing), args.seeds)
+    first = pairings[args.pairings[0]]
+    ours, theirs, ratio, curves, results = (
+        first["grpolab"],
+        first["trl"],
+        first["ratio"],
+        first["reward_curves"],
+        first["results"],
     )
-    header = f"{'':<14}{'step s':>9}{'gen s':>9}{'logp s':>9}{'update s':>10}{'RSS MB':>9}"
-    header += f"{'tok/s':>9}{'reward':>9}"
-    print(header)
-    print("-" * len(header))
-    for name, row in (("grpolab", ours), ("TRL", theirs)):
-        print(
-            f"{name:<14}{row['step_s']:>9.3f}{row['generation_s']:>9.3f}{row['logprobs_s']:>9.3f}"
-            f"{row['update_s']:>10.3f}{row['peak_rss_mb']:>9.0f}{row['tokens_per_s']:>9.0f}"
-            f"{row['final_reward']:>9.3f}"
-        )
-    ratio = {k: ours[k] / theirs[k] if theirs[k] else float("nan") for k in ours}
-    print(
-        f"{'grpolab/TRL':<14}{ratio['step_s']:>9.2f}{ratio['generation_s']:>9.2f}"
-        f"{ratio['logprobs_s']:>9.2f}{ratio['update_s']:>10.2f}{ratio['peak_rss_mb']:>9.2f}"
-        f"{ratio['tokens_per_s']:>9.2f}"
-    )
-    print("\nmean reward per step (mean over seeds)")
-    curves = {
-        k: [statistics.mean(col) for col in zip(*(r.rewards for r in v), strict=True)]
-        for k, v in results.items()
-    }
-    print("step     " + "".join(f"{i:>6}" for i in range(1, s.steps + 1)))
-    for k, curve in curves.items():
-        print(f"{k:<9}" + "".join(f"{x:>6.3f}" for x in curve))
 
     parity = {}
     for agg in LOSS_TYPES:
@@ -539,6 +592,11 @@ def main(argv: list[str] | None = None) -> int:
             "loss_parity": parity,
             "loss_parity_max_abs_diff": max(parity.values()),
             "runs": {k: [asdict(r) for r in v] for k, v in results.items()},
+            "pairings": {
+                name: {k: v for k, v in row.items() if k != "results"}
+                | {"runs": {k: [asdict(r) for r in v] for k, v in row["results"].items()}}
+                for name, row in pairings.items()
+            },
         }
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0

@@ -1,6 +1,6 @@
 """Prove that a change moved no number: run the same training runs with this tree and with
-another commit's, and compare metrics.jsonl (wall-clock metrics aside) and the final weights
-bit for bit.
+another commit's, and compare metrics.jsonl (wall-clock metrics aside; metrics only this
+tree logs are listed, not compared) and the final weights bit for bit.
 
     .venv/bin/python scripts/same_numbers.py BASE_REV [--only demo,lora,...] [--keep DIR]
 
@@ -75,14 +75,22 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(last / "model.safetensors"))
 
 
+def added_metrics(a: Path, b: Path) -> list[str]:
+    """Metrics the new tree (b) logs that the base (a) did not log at all: new numbers, not
+    moved ones, listed beside the verdict."""
+    keys_a = {k for r in metric_rows(a) for k in r}
+    return sorted({k for r in metric_rows(b) for k in r} - keys_a)
+
+
 def compare(a: Path, b: Path) -> str | None:
-    """None when both runs logged the same metrics and ended with the same weights."""
+    """None when both runs logged the same metrics (every metric the base logs; the new
+    tree may log more) and ended with the same weights."""
     rows_a, rows_b = metric_rows(a), metric_rows(b)
     if len(rows_a) != len(rows_b):
         return f"{len(rows_a)} vs {len(rows_b)} metric rows"
     for ra, rb in zip(rows_a, rows_b, strict=True):
-        if ra != rb:
-            keys = sorted(k for k in ra.keys() | rb.keys() if ra.get(k) != rb.get(k))
+        if any(k not in rb or ra[k] != rb[k] for k in ra):
+            keys = sorted(k for k in ra if ra.get(k) != rb.get(k))
             return f"step {ra.get('step')}: {keys[:5]} differ"
     wa, wb = final_weights(a), final_weights(b)
     if wa.keys() != wb.keys():
@@ -124,7 +132,9 @@ def main() -> int:
                 one(tree, name, work / side / slug)
             verdict = compare(work / "base" / slug, work / "new" / slug)
             failed += verdict is not None
-            print(f"{name:<20} {'identical' if verdict is None else 'DIFFERS: ' + verdict}")
+            added = added_metrics(work / "base" / slug, work / "new" / slug)
+            note = f" (new metrics: {', '.join(added)})" if added else ""
+            print(f"{name:<20} {'identical' if verdict is None else 'DIFFERS: ' + verdict}{note}")
     finally:
         if not args.keep:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT)

@@ -32,5 +32,31 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
       done
       ;;
   esac
+  case ",$extras," in
+    *,test,*)
+      # The peers bench/parity.py runs, without their dependencies, in a directory of their
+      # own (pyproject.toml [tool.grpolab] says why).
+      peers="$VENV/peers"
+      rm -rf "$peers"
+      _grpolab_peers() {
+        "$PY" - "$1" "$ROOT/pyproject.toml" <<'PYEOF'
+import sys
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+with open(sys.argv[2], "rb") as f:
+    print(" ".join(tomllib.load(f)["tool"]["grpolab"][sys.argv[1]]))
+PYEOF
+      }
+      # shellcheck disable=SC2046
+      "$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$peers" \
+        $(_grpolab_peers parity-peers)
+      # shellcheck disable=SC2046
+      DS_BUILD_OPS=0 "$PY" -m pip install -q --disable-pip-version-check --no-deps \
+        --no-build-isolation --target "$peers" $(_grpolab_peers parity-peers-built)
+      unset -f _grpolab_peers
+      ;;
+  esac
   echo "$want" > "$stamp"
 fi

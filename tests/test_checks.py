@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpolab import checks
+from grpolab import checks, core
 from grpolab.functions import ImplLoadError, load_impl
 from grpolab.models import build_char_tokenizer, build_tiny_model
 from grpolab.rewards import load_rewards
@@ -38,6 +38,46 @@ CAUGHT_BY = {
 # reward mutant file (its function has the file's only public name) -> the probe that catches it
 REWARD_CAUGHT_BY = {
     "reward_accepts_echo": "rewards.echo",
+}
+
+PROFILE_TRL = {"profile": "trl", **core.PROFILES["trl"], "beta": 0.04}
+PROFILE_VERL = {"profile": "verl", **core.PROFILES["verl"], "beta": 0.04}
+# mutant of the menu's code -> (the check that must catch it, the objective that declares
+# the option the bug is in)
+MENU_CAUGHT_BY = {
+    "gspo_length_weighted": ("gspo.length_weighting", {"importance_sampling_level": "sequence"}),
+    "gspo_exp_of_sum": ("gspo.ratio", {"importance_sampling_level": "sequence"}),
+    "cispo_no_detach": ("cispo.gradient", {"loss_type": "cispo", "epsilon_high": 5.0}),
+    "dual_clip_both_signs": ("clip.dual_clip", {"dual_clip": 3.0}),
+    "delta_positive_only": ("clip.delta", {"delta": 2.0}),
+    "dynamic_keeps_all": ("dynamic_sampling.normaliser", {"dynamic_sampling": True}),
+    "seq_is_wrong_sign": ("engine.is_weights", {"tis_cap": 3.0, "tis_mode": "sequence_mask"}),
+    "rloo_includes_self": ("advantages.estimator", {"advantage_estimator": "rloo"}),
+    "truncation_inverted": ("truncation.mask", {"mask_truncated_completions": True}),
+    "entropy_bonus_added": ("entropy.bonus", {"entropy_coef": 0.01}),
+    "entropy_unmasked_metric": ("loss.metrics", {}),
+    "kl_without_ratio": ("kl.convention", PROFILE_TRL),
+    "kl_unclamped": ("kl.convention", PROFILE_VERL),
+    "population_std": ("advantages.sample_std", PROFILE_TRL),
+}
+# Every profile, every option of the menu: grpolab's own functions pass every check.
+DECLARED = {
+    "trl": PROFILE_TRL,
+    "verl": PROFILE_VERL,
+    "openrlhf": {"profile": "openrlhf", **core.PROFILES["openrlhf"], "beta": 0.04},
+    "gspo": {"importance_sampling_level": "sequence", "loss_type": "grpo"},
+    "cispo": {"loss_type": "cispo", "epsilon_high": 5.0},
+    "delta+dual_clip": {"delta": 2.0, "dual_clip": 3.0},
+    "rloo": {"advantage_estimator": "rloo"},
+    "reinforce_pp": {"advantage_estimator": "reinforce_pp", "advantage_std": "sample"},
+    "menu": {
+        "tis_cap": 3.0,
+        "tis_mode": "sequence_mask",
+        "dynamic_sampling": True,
+        "mask_truncated_completions": True,
+        "entropy_coef": 0.01,
+    },
+    "kl": {"kl_estimator": "k2", "kl_clamp": 10.0, "beta": 0.04},
 }
 
 
@@ -104,7 +144,53 @@ def test_each_reward_mutant_fails_its_named_probe(mutant):
 
 
 def test_every_mutant_file_is_listed():
-    assert {p.stem for p in MUTANTS.glob("*.py")} == set(CAUGHT_BY) | set(REWARD_CAUGHT_BY)
+    assert {p.stem for p in MUTANTS.glob("*.py")} == set(CAUGHT_BY) | set(REWARD_CAUGHT_BY) | set(
+        MENU_CAUGHT_BY
+    )
+
+
+def declared(overrides: dict) -> checks.PreflightSettings:
+    return checks.PreflightSettings(objective=core.Objective(num_generations=4, **overrides))
+
+
+@pytest.mark.parametrize("name", sorted(DECLARED))
+def test_the_core_passes_every_check_of_each_declared_objective(model_and_batch, name):
+    model, batch = model_and_batch
+    results = checks.run_checks(model, batch, declared(DECLARED[name]))
+    failed = [(r.id, r.measured, r.error) for r in results if not r.passed]
+    assert not failed
+    ids = set(by_id(results))
+    assert {check for check, o in MENU_CAUGHT_BY.values() if o is DECLARED[name]} <= ids
+
+
+@pytest.mark.parametrize("mutant", sorted(MENU_CAUGHT_BY))
+def test_each_menu_mutant_fails_its_named_check(model_and_batch, mutant):
+    model, batch = model_and_batch
+    check, overrides = MENU_CAUGHT_BY[mutant]
+    impl = load_impl(MUTANTS / f"{mutant}.py")
+    results = by_id(checks.run_checks(model, batch, declared(overrides), impl=impl))
+    named = results[check]
+    assert not named.passed, named
+    assert named.hint
+    # The same file passes that check where the option it gets wrong is not declared.
+    if overrides and check not in {"loss.metrics"}:
+        plain = by_id(checks.run_checks(model, batch, impl=impl))
+        assert check not in plain or plain[check].passed
+
+
+def test_the_declared_std_is_checked_not_assumed(model_and_batch):
+    # A TRL user's advantages (sample std, no zero-std guard) pass under profile=trl and fail
+    # under the seed's declared population std; the seed's own fail under profile=trl.
+    model, batch = model_and_batch
+    trl = load_impl(Path(__file__).parent / "impls" / "trl_advantages.py")
+    under_trl = by_id(checks.run_checks(model, batch, declared(PROFILE_TRL), impl=trl))
+    assert all(under_trl[i].passed for i in checks.advantage_ids(declared(PROFILE_TRL).objective))
+    under_seed = by_id(checks.run_checks(model, batch, declared({}), impl=trl))
+    assert not under_seed["advantages.population_std"].passed
+    seed = load_impl(MUTANTS / "population_std.py")
+    assert by_id(checks.run_checks(model, batch, declared({}), impl=seed))[
+        "advantages.population_std"
+    ].passed
 
 
 def test_a_zero_variance_batch_is_reported(model_and_batch):
@@ -167,3 +253,9 @@ def test_an_error_is_reported_under_the_check_it_interrupted(tmp_path, model_and
     assert results["logprobs.shift"].passed  # measured before the failure: kept
     failed = results["logprobs.float32"]
     assert not failed.passed and failed.error_line == 7 and "no bf16 here" in failed.error
+
+
+def test_every_declared_only_check_has_a_hint_and_a_mutant_or_a_declared_run():
+    assert checks.DECLARED_ONLY.issubset(checks.HINTS)
+    caught = {check for check, _ in MENU_CAUGHT_BY.values()}
+    assert checks.DECLARED_ONLY - caught <= {"entropy.values"}  # a real model's entropy

@@ -81,7 +81,19 @@ def test_init_writes_the_workspace_and_never_overwrites(tmp_path, capsys):
     assert "kept" in capsys.readouterr().out
 
 
-OPTIONAL_EXTRAS = {"token_weights"}
+# grpolab's own functions take more than the seed's contract: truncated importance
+# sampling's token_weights, the entropy, and the profiles' conventions and the menu's options.
+OPTIONAL_EXTRAS = {
+    "token_weights",
+    "return_entropy",
+    "entropy",
+    "lengths",
+    "loss",
+    "std",
+    "zero_std_guard",
+    "estimator",
+    *core.LOSS_OPTION_DEFAULTS,
+}
 
 
 def test_the_template_states_the_core_contract():
@@ -90,8 +102,7 @@ def test_the_template_states_the_core_contract():
     for name in CORE_FUNCTIONS:
         ours = inspect.signature(namespace[name]).parameters
         reference = inspect.signature(getattr(core, name)).parameters
-        # The learner writes the seed's contract; token_weights (truncated importance
-        # sampling for an engine's mismatch) is an optional extra of grpolab's own loss.
+        # The learner writes the seed's contract; OPTIONAL_EXTRAS are grpolab's own.
         assert [(p.name, p.default) for p in ours.values()] == [
             (p.name, p.default) for p in reference.values() if p.name not in OPTIONAL_EXTRAS
         ], name
@@ -105,7 +116,8 @@ def test_the_template_states_the_core_contract():
 def test_every_goal_and_check_has_three_hints_in_both_languages():
     goal_checks = {c for ids in HINT_ORDER.values() for c in ids}
     prefixes = ("logprobs.", "advantages.", "ratio.", "clip.", "kl.", "norm.", "loss.")
-    assert goal_checks == {c for c in checks.HINTS if c.startswith(prefixes)}
+    seed_checks = {c for c in checks.HINTS if c.startswith(prefixes)} - checks.DECLARED_ONLY
+    assert goal_checks == seed_checks
     for key in [*goal_checks, *(f"write.{g}" for g in range(1, 8))]:
         assert len(hints.HINTS[key]) == 3, key
         for level in hints.HINTS[key]:

@@ -75,3 +75,15 @@ def test_preflight_usage_errors_exit_2(tmp_path):
     broken.write_text("def kl_k3(a, b)\n    return a\n")
     out = preflight("--impl", str(broken))
     assert out.returncode == 2 and "broken.py:1" in out.stderr
+
+
+def test_a_trl_users_advantages_pass_under_the_trl_profile_and_fail_under_the_seed():
+    trl = str(Path(__file__).parent / "impls" / "trl_advantages.py")
+    out = preflight("--json", "--impl", trl, "trainer.profile=trl", *SMALL)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    ids = {c["id"] for c in json.loads(out.stdout)["checks"]}
+    assert "advantages.sample_std" in ids and "advantages.population_std" not in ids
+    out = preflight("--json", "--impl", trl, *SMALL)
+    assert out.returncode == 1
+    failed = {c["id"] for c in json.loads(out.stdout)["checks"] if not c["passed"]}
+    assert "advantages.population_std" in failed

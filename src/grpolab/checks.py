@@ -10,6 +10,7 @@ drill) with any of them.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from grpolab.rewards.probes import ProbeReport
 
 GOALS = {
     1: "log-probs: shifted by one, float32 before log-softmax, temperature applied",
-    2: "advantages: population std, zero where std ~ 0, contiguous groups, group sums ~ 0",
+    2: "advantages: the declared std, zero where std ~ 0, contiguous groups, group sums ~ 0",
     3: "ratio: logp_old from an extra forward, exactly 1 before the first update",
     4: "clip: min acts in both directions, eps_low / eps_high on the right sides",
     5: "KL: k3 = exp(d) - d - 1, never negative, tracks the true KL",
@@ -118,10 +119,18 @@ HINTS = {
     "logprobs.temperature": "divide the logits by the sampling temperature before "
     "log_softmax: the policy that sampled is softmax(logits / T)",
     "advantages.group_sums": "subtract each group's own mean: r.view(-1, G).mean(dim=1)",
-    "advantages.population_std": "use the population std, std(unbiased=False) (divide by G), "
-    "and divide by (std + eps)",
-    "advantages.zero_std_groups": "set the advantage to exactly 0 where the group's std <= "
-    "eps: torch.where(std > eps, adv, 0)",
+    "advantages.population_std": "the declared convention is the population std, "
+    "std(unbiased=False) (divide by G), and (std + eps); the sample std (divide by G - 1, TRL's "
+    "and verl's) is another convention: declare it with trainer.profile or trainer.advantage_std",
+    "advantages.sample_std": "the declared convention is the sample std, std(unbiased=True) "
+    "(divide by G - 1, as TRL, verl and OpenRLHF do), and (std + eps); the population std is "
+    "the seed's: declare it with trainer.advantage_std=population",
+    "advantages.estimator": "rloo: r_i minus the mean of the OTHER G - 1 rewards of its group "
+    "(G / (G - 1) * (r - mean)); reinforce_pp: r - group mean, then (x - mean) / sqrt(var + 1e-8) "
+    "over the batch, each sequence weighted by its completion tokens",
+    "advantages.zero_std_groups": "with the zero-std guard (the seed's), set the advantage to "
+    "exactly 0 where the group's std <= eps: torch.where(std > eps, adv, 0); without it (TRL, "
+    "verl, OpenRLHF) every group is (r - mean) / (std + eps)",
     "advantages.contiguous": "the G samples of a prompt are contiguous: rewards.view(-1, G), "
     "not view(G, -1) or a transpose",
     "ratio.initial": "logp_old must come from the same model, same inputs and same mode "
@@ -152,6 +161,30 @@ HINTS = {
     "same temperature, same weights (sync after each update), same dtype",
     "rewards.variance": "no group has reward variance: every advantage is 0 and nothing is "
     "learned; make the task easier/harder or the reward denser",
+    "gspo.ratio": "GSPO's ratio is exp of the MEAN of a sequence's token log-ratios (masked), "
+    "one per sequence, clipped per sequence: exp of the sum shrinks long sequences to 0",
+    "gspo.length_weighting": "a sequence-level loss is one value per sequence: with the "
+    "sequence aggregation each sequence weighs the same; averaging the broadcast value over "
+    "all tokens weighs long sequences more",
+    "cispo.gradient": "CISPO: -sg(min(ratio, eps_high)) * A * logp_new: the capped ratio is "
+    "detached, so d loss / d logp_new = -min(ratio, eps_high) * A on every token",
+    "clip.delta": "two-sided clip: only the unclipped term's ratio is capped at delta: "
+    "-min(min(ratio, delta) * A, clip(ratio) * A)",
+    "clip.dual_clip": "dual-clip bounds only negative advantages: where A < 0, loss = "
+    "min(ppo_loss, -A * dual_clip); positive advantages are untouched",
+    "kl.convention": "the declared KL: estimator (k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1 with "
+    "d = ref - new), clamp, and for use_bias_correction_kl the KL times the importance ratio",
+    "engine.is_weights": "importance weights pi_trainer / pi_engine = exp(logp_trainer - "
+    "logp_engine); per sequence: exp of the summed log-ratio; truncate caps, mask zeroes above "
+    "the cap",
+    "dynamic_sampling.normaliser": "drop (do not just zero) the groups whose rewards do not vary: "
+    "kept, their tokens still count in the loss's normaliser and dilute every gradient",
+    "truncation.mask": "mask_truncated_completions: zero the loss mask of the rows that hit "
+    "max_completion_length (truncated), and only those",
+    "entropy.bonus": "the entropy bonus is SUBTRACTED from the loss (loss - coef * entropy), "
+    "aggregated like the rest: minimising the loss then raises the entropy",
+    "entropy.values": "entropy = -sum_v p_v log p_v of softmax(logits / T) at each completion "
+    "position, in float32",
     "memory.worst_case": "the longest possible batch does not fit: lower "
     "max_completion_length or the minibatch size",
     "rewards.reference": "a reward gives a probe more than the right answer: it must compare the "
@@ -169,19 +202,50 @@ def _result(id: str, goal: int, what: str, measured, expected: str, passed: bool
     return CheckResult(id, goal, what, measured, expected, bool(passed), HINTS.get(id, ""))
 
 
-def _loss(impl: CoreFunctions, logp_new, logp_old, logp_ref, advantages, mask, s, beta=0.0, L=None):
-    return impl.grpo_loss(
-        logp_new,
-        logp_old,
-        logp_ref,
-        advantages,
-        mask,
-        eps_low=s.objective.epsilon,
-        eps_high=s.objective.epsilon_high,
-        beta=beta,
-        loss_agg=s.objective.loss_type,
-        max_completion_length=L or s.objective.max_completion_length or logp_new.shape[1],
-    )
+def _loss(
+    impl: CoreFunctions,
+    logp_new,
+    logp_old,
+    logp_ref,
+    advantages,
+    mask,
+    s,
+    beta=0.0,
+    L=None,
+    **extra,
+):
+    """The implementation's grpo_loss under the declared objective (its conventions passed
+    where the function takes them), with `beta` and `L` for this check."""
+    L = L or s.objective.max_completion_length or logp_new.shape[1]
+    kwargs = s.objective.loss_kwargs() | {"beta": beta, "max_completion_length": L} | extra
+    kwargs = core.accepted_kwargs(impl.grpo_loss, kwargs)
+    return impl.grpo_loss(logp_new, logp_old, logp_ref, advantages, mask, **kwargs)
+
+
+def _policy_kwargs(o: Objective) -> dict:
+    """policy_loss's options the declared objective sets (beyond eps_low / eps_high)."""
+    options = {
+        "importance_sampling_level": o.importance_sampling_level,
+        "loss": o.surrogate,
+        "delta": o.delta,
+        "dual_clip": o.dual_clip,
+        "log_ratio_clamp": o.log_ratio_clamp,
+    }
+    defaults = core.LOSS_OPTION_DEFAULTS | {"loss": "clip"}
+    return {k: v for k, v in options.items() if v != defaults[k]}
+
+
+def _advantage_kwargs(o: Objective, lengths: torch.Tensor | None = None) -> dict:
+    """group_advantages's keywords for the declared objective: eps, the conventions and the
+    estimator (scale left at its default, the group's: the checks measure per-group
+    statistics)."""
+    kwargs = o.advantage_kwargs()
+    del kwargs["scale"]  # the function's default: group
+    if kwargs["eps"] == 1e-4:  # the seed's default: a function without eps is checked as before
+        del kwargs["eps"]
+    if o.advantage_estimator == "reinforce_pp" and lengths is not None:
+        kwargs["lengths"] = lengths
+    return kwargs
 
 
 def _signed_advantages(B: int) -> torch.Tensor:
@@ -363,64 +427,134 @@ def check_logprobs(impl: CoreFunctions, model, batch: PreflightBatch, s: Preflig
     )
 
 
-def _reference_advantages(rewards: torch.Tensor, G: int, eps: float) -> torch.Tensor:
+def _reference_advantages(
+    rewards: torch.Tensor, G: int, o: Objective, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float64 advantages of the declared convention and estimator (scale: group)."""
     r = rewards.double().view(-1, G)
-    std = r.std(dim=1, unbiased=False, keepdim=True)
-    adv = (r - r.mean(dim=1, keepdim=True)) / (std + eps)
-    return torch.where(std > eps, adv, torch.zeros_like(adv)).view(-1)
+    centred = r - r.mean(dim=1, keepdim=True)
+    std = r.std(dim=1, unbiased=o.advantage_std == "sample", keepdim=True)
+    if o.advantage_estimator == "rloo":
+        others = (r.sum(dim=1, keepdim=True) - r) / (G - 1)  # the group without the sample
+        adv = r - others
+    elif o.advantage_estimator == "reinforce_pp":
+        w = torch.ones_like(centred) if lengths is None else lengths.double().view_as(r)
+        mean = (w * centred).sum() / w.sum()
+        var = (w * (centred - mean) ** 2).sum() / w.sum()
+        if o.advantage_std == "sample":
+            var = var * w.sum() / (w.sum() - 1)
+        adv = (centred - mean) / torch.sqrt(var + core.WHITEN_EPS)
+    else:
+        adv = centred / (std + o.advantage_eps)
+    if o.zero_std_guard:
+        adv = torch.where(std > o.advantage_eps, adv, torch.zeros_like(adv))
+    return adv.view(-1)
+
+
+# The designed rewards: small G (so population and sample std differ by sqrt(G/(G-1))),
+# an all-equal group, a float-noise group, and groups that an interleaved reading would mix.
+DESIGNED_REWARDS = (
+    1.0,
+    0.0,
+    0.0,
+    0.0,
+    1,
+    1,
+    1,
+    1,
+    0.5,
+    0.5 + 1e-9,
+    0.5,
+    0.5 + 1e-9,
+    0,
+    0.25,
+    0.5,
+    2,
+)
+DESIGNED_LENGTHS = (3.0, 1, 5, 2, 4, 4, 1, 6, 2, 2, 3, 3, 1, 5, 2, 4)  # completion tokens
+
+
+def advantage_ids(o: Objective) -> tuple[str, ...]:
+    """The advantage checks for the declared objective, in the order they run."""
+    ids = ["advantages.group_sums"]
+    if o.advantage_estimator == "grpo":
+        ids.append(f"advantages.{o.advantage_std}_std")
+    ids += ["advantages.zero_std_groups", "advantages.contiguous"]
+    if o.advantage_estimator != "grpo":
+        ids.append("advantages.estimator")
+    return tuple(ids)
 
 
 def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSettings):
-    G = batch.group_size
-    # The batch's own rewards, then a designed batch: small G (so population and sample std
-    # differ by sqrt(G/(G-1))), an all-equal group, a float-noise group, and groups that an
-    # interleaved reading would mix.
-    real = impl.group_advantages(batch.rewards, G).double()
-    designed = torch.tensor(
-        [1.0, 0.0, 0.0, 0.0, 1, 1, 1, 1, 0.5, 0.5 + 1e-9, 0.5, 0.5 + 1e-9, 0.0, 0.25, 0.5, 2.0],
-        dtype=torch.float64,
-    )
-    adv = impl.group_advantages(designed, 4).double()
+    o, G = s.objective, batch.group_size
+    lengths = batch.completion_mask.sum(dim=1).double()
 
-    sums = max(_max_abs(real.view(-1, G).sum(1)), _max_abs(adv.view(-1, 4).sum(1)))
+    def advantages(rewards, group_size, lens):
+        kwargs = core.accepted_kwargs(impl.group_advantages, _advantage_kwargs(o, lens))
+        return impl.group_advantages(rewards, group_size, **kwargs).double()
+
+    real = advantages(batch.rewards, G, lengths)
+    designed = torch.tensor(DESIGNED_REWARDS, dtype=torch.float64)
+    designed_lengths = torch.tensor(DESIGNED_LENGTHS, dtype=torch.float64)
+    adv = advantages(designed, 4, designed_lengths)
+    ref = _reference_advantages(designed, 4, o, designed_lengths)
+    ref_real = _reference_advantages(batch.rewards, G, o, lengths)
+
+    sums = max(
+        _max_abs(real.view(-1, G).sum(1) - ref_real.view(-1, G).sum(1)),
+        _max_abs(adv.view(-1, 4).sum(1) - ref.view(-1, 4).sum(1)),
+    )
     yield _result(
         "advantages.group_sums",
         2,
-        "max |sum of a group's advantages|",
+        "max |sum of a group's advantages|"
+        + ("" if o.advantage_estimator != "reinforce_pp" else " - the whitened reference's"),
         sums,
         "<= 1e-4",
         sums <= 1e-4,
     )
 
-    live = torch.tensor([0, 3])  # groups with real spread in the designed batch
-    stds = adv.view(-1, 4)[live].std(dim=1, unbiased=False)
-    dev = _max_abs(stds - 1)
-    yield _result(
-        "advantages.population_std",
-        2,
-        "max |population std of a group's advantages - 1| (G = 4)",
-        dev,
-        "<= 1e-2",
-        dev <= 1e-2,
-    )
+    if o.advantage_estimator == "grpo":
+        live = torch.tensor([0, 3])  # groups with real spread in the designed batch
+        stds = adv.view(-1, 4)[live].std(dim=1, unbiased=o.advantage_std == "sample")
+        dev = _max_abs(stds - 1)
+        yield _result(
+            f"advantages.{o.advantage_std}_std",
+            2,
+            f"max |{o.advantage_std} std of a group's advantages - 1| (G = 4; declared "
+            f"{o.advantage_std} std, profile {o.profile})",
+            dev,
+            "<= 1e-2",
+            dev <= 1e-2,
+        )
 
-    zeros = adv.view(-1, 4)[1:3]
-    worst = _max_abs(zeros)
+    flat = adv.view(-1, 4)[1:3]  # the equal-reward group and the 1e-9-noise group
+    if o.zero_std_guard:
+        worst = _max_abs(flat)
+        what, expected, ok = "max |adv|", "== 0 exactly", worst == 0.0
+    else:
+        worst = _max_abs(flat - ref.view(-1, 4)[1:3])
+        what, expected = "max |adv - (r - mean) / (std + eps)| (no zero-std guard)", "<= 1e-6"
+        ok = worst <= 1e-6
+        if o.advantage_estimator != "reinforce_pp":  # whitening moves every group
+            ok = ok and _max_abs(adv.view(-1, 4)[1]) == 0.0
     yield _result(
         "advantages.zero_std_groups",
         2,
-        "max |adv| in an equal-reward group and a 1e-9-noise group",
+        f"{what} in an equal-reward group and a 1e-9-noise group",
         worst,
-        "== 0 exactly",
-        worst == 0.0,
+        expected,
+        ok,
     )
 
     layout = torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 0], dtype=torch.float64)
+    layout_lengths = designed_lengths[:12]
     gap = max(
         _max_abs(
-            impl.group_advantages(layout, 4).double() - _reference_advantages(layout, 4, 1e-4)
+            advantages(layout, 4, layout_lengths)
+            - _reference_advantages(layout, 4, o, layout_lengths)
         ),
-        _max_abs(adv - _reference_advantages(designed, 4, 1e-4)),
+        _max_abs(adv - ref),
     )
     yield _result(
         "advantages.contiguous",
@@ -430,6 +564,16 @@ def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSet
         "<= 1e-3",
         gap <= 1e-3,
     )
+    if o.advantage_estimator != "grpo":
+        gap = _max_abs(adv - ref)
+        yield _result(
+            "advantages.estimator",
+            2,
+            f"max |adv - the {o.advantage_estimator} reference| (G = 4, unequal lengths)",
+            gap,
+            "<= 1e-6",
+            gap <= 1e-6,
+        )
 
 
 def check_ratio(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
@@ -474,7 +618,8 @@ def _clip_case(s: PreflightSettings):
     mid_hi = (
         1 + (s.objective.epsilon + s.objective.epsilon_high) / 2
     )  # between 1 + min(eps) and 1 + max(eps)
-    mid_lo = 1 - (s.objective.epsilon + s.objective.epsilon_high) / 2
+    # (CISPO's epsilon_high is a cap > 1: keep that ratio positive)
+    mid_lo = max(1 - (s.objective.epsilon + s.objective.epsilon_high) / 2, 0.05)
     ratios = torch.tensor(
         [
             [1.0, 1.05, hi + 0.1, hi + 0.5, lo - 0.1, 0.95, mid_hi, mid_lo],
@@ -492,23 +637,48 @@ def _clip_case(s: PreflightSettings):
     return logp_new.float(), logp_old.float(), advantages.float(), mask.float()
 
 
-def _reference_policy(logp_new, logp_old, adv, mask, eps_low, eps_high):
-    ratio = torch.exp(logp_new.double() - logp_old.double())
+def _reference_policy(logp_new, logp_old, adv, mask, o: Objective):
+    """float64 per-token loss [B, T] of the declared surrogate (differentiable w.r.t.
+    logp_new), and the tokens where its clip (CISPO: its cap with A > 0) is active."""
+    new, valid = logp_new.double(), mask.bool()
+    ratio = _reference_ratio(new, logp_old, mask, o)
     A = adv.double().unsqueeze(1)
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
-    per_token = -torch.min(ratio * A, clipped * A)
-    active = (ratio * A) > (clipped * A)
-    return per_token, active & mask.bool()
+    if o.surrogate == "cispo":
+        weight = ratio.clamp(max=o.epsilon_high).detach()
+        per_token = -weight * A * torch.where(valid, new, torch.zeros_like(new))
+        active = (ratio > o.epsilon_high) & (A > 0)
+    else:
+        clipped = ratio.clamp(1 - o.epsilon, 1 + o.epsilon_high)
+        unclipped = ratio if o.delta is None else ratio.clamp(max=o.delta)
+        per_token = -torch.min(unclipped * A, clipped * A)
+        if o.dual_clip is not None:
+            per_token = torch.where(A < 0, torch.min(per_token, -A * o.dual_clip), per_token)
+        active = (ratio * A) > (clipped * A)
+    return per_token.expand_as(new), active.expand_as(new) & valid
+
+
+def _policy(impl: CoreFunctions, logp_new, logp_old, adv, mask, o: Objective):
+    kwargs = core.accepted_kwargs(impl.policy_loss, _policy_kwargs(o))
+    return impl.policy_loss(logp_new, logp_old, adv, mask, o.epsilon, o.epsilon_high, **kwargs)
+
+
+def _values_and_grads(impl, o: Objective, logp_new, logp_old, adv, mask):
+    """(per_token, clip_frac, grad) of the implementation and (per_token, active, grad) of
+    the float64 reference, grads of the masked per-token sum w.r.t. logp_new."""
+    new = logp_new.clone().requires_grad_(True)
+    per_token, clip_frac = _policy(impl, new, logp_old, adv, mask, o)
+    (per_token * mask).sum().backward()
+    ref_new = logp_new.double().clone().requires_grad_(True)
+    ref, active = _reference_policy(ref_new, logp_old, adv, mask, o)
+    (ref * mask.double()).sum().backward()
+    return (per_token.detach(), clip_frac, new.grad), (ref.detach(), active, ref_new.grad)
 
 
 def check_clip(impl: CoreFunctions, s: PreflightSettings):
+    o = s.objective
     logp_new, logp_old, adv, mask = _clip_case(s)
-    logp_new = logp_new.clone().requires_grad_(True)
-    per_token, clip_frac = impl.policy_loss(
-        logp_new, logp_old, adv, mask, s.objective.epsilon, s.objective.epsilon_high
-    )
-    ref, clipped = _reference_policy(
-        logp_new.detach(), logp_old, adv, mask, s.objective.epsilon, s.objective.epsilon_high
+    (per_token, clip_frac, grad), (ref, clipped, ref_grad) = _values_and_grads(
+        impl, o, logp_new, logp_old, adv, mask
     )
     valid = mask.bool()
     gap = _max_abs((per_token.double() - ref)[valid])
@@ -520,11 +690,10 @@ def check_clip(impl: CoreFunctions, s: PreflightSettings):
         "<= 1e-5",
         gap <= 1e-5,
     )
-    (per_token * mask).sum().backward()
-    grad = logp_new.grad
-    clipped_grad = _max_abs(grad[clipped])
-    unclipped = valid & ~clipped
-    min_live = grad[unclipped].abs().min().item() if unclipped.any() else 1.0
+    zero = valid & (ref_grad == 0)  # where the declared loss is flat: the clip is active
+    clipped_grad = _max_abs(grad[zero])
+    live = valid & ~zero
+    min_live = grad[live].abs().min().item() if live.any() else 1.0
     yield _result(
         "clip.gradient",
         4,
@@ -538,12 +707,12 @@ def check_clip(impl: CoreFunctions, s: PreflightSettings):
     probe = torch.zeros_like(valid)
     probe[:, 6:] = True
     probe &= valid
-    mismatch = int(((per_token.detach().double() - ref).abs() > 1e-5)[probe].sum())
+    mismatch = int(((per_token.double() - ref).abs() > 1e-5)[probe].sum())
     yield _result(
         "clip.asymmetric",
         4,
-        f"tokens between 1+-eps_low and 1+-eps_high treated wrongly (eps {s.objective.epsilon:g}/"
-        f"{s.objective.epsilon_high:g})",
+        f"tokens between 1+-eps_low and 1+-eps_high treated wrongly (eps {o.epsilon:g}/"
+        f"{o.epsilon_high:g})",
         mismatch,
         "0",
         mismatch == 0,
@@ -557,6 +726,122 @@ def check_clip(impl: CoreFunctions, s: PreflightSettings):
         gap,
         "<= 1e-6",
         gap <= 1e-6,
+    )
+    yield from _option_checks(impl, s)
+
+
+def clip_ids(o: Objective) -> tuple[str, ...]:
+    ids = ["clip.values", "clip.gradient", "clip.asymmetric", "clip.clip_frac"]
+    if o.importance_sampling_level == "sequence":
+        ids += ["gspo.ratio", "gspo.length_weighting"]
+    if o.surrogate == "cispo":
+        ids.append("cispo.gradient")
+    if o.delta is not None:
+        ids.append("clip.delta")
+    if o.dual_clip is not None:
+        ids.append("clip.dual_clip")
+    return tuple(ids)
+
+
+def _ratio_case(ratios: list[list[float]], advantages: list[float], lengths: list[int]):
+    """logp_new, logp_old, advantages, mask for the given per-token ratios [B, T]; row i has
+    lengths[i] completion tokens (the rest padding)."""
+    r = torch.tensor(ratios, dtype=torch.float64)
+    B, T = r.shape
+    logp_old = -torch.linspace(0.4, 2.5, B * T, dtype=torch.float64).view(B, T)
+    mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).double()
+    logp_new = logp_old + torch.log(r)
+    A = torch.tensor(advantages, dtype=torch.float64)
+    return logp_new.float(), logp_old.float(), A.float(), mask.float()
+
+
+def _option_checks(impl: CoreFunctions, s: PreflightSettings):
+    """The menu's options on the clipped surrogate, each on a case where it acts."""
+    o = s.objective
+    if o.importance_sampling_level == "sequence":
+        yield from _gspo_checks(impl, s)
+    if o.surrogate == "cispo":
+        # Ratios below and above the cap, both signs of A.
+        hi = o.epsilon_high
+        case = _ratio_case(
+            [[0.5, 1.0, hi * 0.9, hi * 1.5], [0.7, 1.3, hi * 1.2, 2.0]], [0.8, -1.1], [4, 3]
+        )
+        (_, _, grad), (_, _, ref_grad) = _values_and_grads(impl, o, *case)
+        gap = _max_abs((grad.double() - ref_grad)[case[3].bool()])
+        yield _result(
+            "cispo.gradient",
+            4,
+            "max |d loss / d logp_new - (-min(ratio, eps_high) * A)| per token",
+            gap,
+            "<= 1e-5",
+            gap <= 1e-5,
+        )
+    for name, bound in (("delta", o.delta), ("dual_clip", o.dual_clip)):
+        if bound is None:
+            continue
+        # Ratios around the bound with A < 0 (where both act) and A > 0 (where neither may).
+        case = _ratio_case(
+            [[bound - 0.3, bound + 0.5, 1.0, 0.5], [bound - 0.3, bound + 0.5, 1.1, 0.9]],
+            [-1.0, 0.7],
+            [4, 4],
+        )
+        (values, _, grad), (ref, _, ref_grad) = _values_and_grads(impl, o, *case)
+        gap = max(_max_abs(values.double() - ref), _max_abs(grad.double() - ref_grad))
+        yield _result(
+            f"clip.{name}",
+            4,
+            f"max |per_token or its grad - reference| around {name} = {bound:g}, both signs of A",
+            gap,
+            "<= 1e-5",
+            gap <= 1e-5,
+        )
+
+
+def _gspo_checks(impl: CoreFunctions, s: PreflightSettings):
+    o = s.objective
+    # Unequal lengths; ratios whose per-sequence geometric mean is inside the clip range for
+    # one row and outside for the other.
+    case = _ratio_case(
+        [
+            [1.1, 0.95, 1.05, 1.0, 1.02, 0.98],
+            [1.6, 1.4, 1.5, 1.0, 1.0, 1.0],
+            [0.9, 1.1, 1, 1, 1, 1],
+        ],
+        [1.0, 1.0, -0.5],
+        [6, 3, 2],
+    )
+    (values, _, _), (ref, _, _) = _values_and_grads(impl, o, *case)
+    gap = _max_abs((values.double() - ref)[case[3].bool()])
+    yield _result(
+        "gspo.ratio",
+        4,
+        "max |per_token - sequence-level clipped surrogate (exp of the mean log-ratio)|",
+        gap,
+        "<= 1e-5",
+        gap <= 1e-5,
+    )
+    logp_new, logp_old, adv, mask = case
+    new = logp_new.clone().requires_grad_(True)
+    loss, _ = _loss(impl, new, logp_old, None, adv, mask, s, L=mask.shape[1])
+    torch.as_tensor(loss).backward()
+    ref_new = logp_new.double().clone().requires_grad_(True)
+    per_token, _ = _reference_policy(ref_new, logp_old, adv, mask, o)
+    L = o.max_completion_length or mask.shape[1]
+    core.aggregate(per_token, mask.double(), o.aggregation, L).backward()
+    gap = max(
+        abs(
+            float(loss) - float(core.aggregate(per_token.detach(), mask.double(), o.aggregation, L))
+        ),
+        _max_abs(new.grad.double() - ref_new.grad),
+    )
+    yield _result(
+        "gspo.length_weighting",
+        4,
+        f"max |loss or its grad - sequence-level loss under {o.aggregation} aggregation| "
+        "(lengths 6, 3, 2)",
+        gap,
+        "<= 1e-5",
+        gap <= 1e-5,
     )
 
 
@@ -628,8 +913,8 @@ def check_normalisation(impl: CoreFunctions, model, batch: PreflightBatch, s: Pr
     logp = torch.log(torch.rand(4, 6, generator=g) * 0.5 + 0.25)
     advantages = -torch.arange(1.0, 5.0)
     loss, _ = _loss(impl, logp, logp, None, advantages, mask, s, L=L)
-    per_token = (-advantages).unsqueeze(1).expand(4, 6)
-    expected_loss = float(core.aggregate(per_token, mask, declared, L))
+    per_token, _ = _reference_policy(logp, logp, advantages, mask, s.objective)
+    expected_loss = float(core.aggregate(per_token.detach(), mask.double(), declared, L))
     gap = max(abs(got - values[declared]), abs(float(loss) - expected_loss))
     others = ", ".join(f"{m} {v:.3f}" for m, v in values.items() if m != declared)
     yield _result(
@@ -682,17 +967,24 @@ def check_loss(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSe
     )
 
     valid = mask.bool()
+    o = s.objective
     ratio = torch.exp(logp_new.double() - logp_old.double())
-    _, clipped = _reference_policy(
-        logp_new, logp_old, adv, mask, s.objective.epsilon, s.objective.epsilon_high
-    )
-    d = logp_ref.double() - logp_new.double()
+    _, clipped = _reference_policy(logp_new, logp_old, adv, mask, o)
+    kl = _reference_kl(logp_new, logp_ref, o)
     direct = {
         "loss": float(loss),
         "clip_frac": clipped.double().sum().item() / valid.sum().item(),
-        "kl": (torch.exp(d) - d - 1)[valid].mean().item(),
+        "kl": kl[valid].mean().item(),
         "ratio_mean": ratio[valid].mean().item(),
     }
+    if "entropy" in metrics or _takes(impl.grpo_loss, "entropy"):
+        # The policy's entropy, handed to the loss: its metric is the masked mean.
+        entropy = torch.rand(mask.shape, generator=g) * 2
+        _, metrics_e = _loss(
+            impl, logp_new, logp_old, logp_ref, adv, mask, s, beta, 8, entropy=entropy
+        )
+        metrics = metrics | {"entropy": metrics_e.get("entropy", float("nan"))}
+        direct["entropy"] = entropy.double()[valid].mean().item()
     gaps = {k: abs(float(metrics.get(k, float("nan"))) - v) for k, v in direct.items()}
     worst_key = max(gaps, key=lambda k: gaps[k] if math.isfinite(gaps[k]) else math.inf)
     worst = gaps[worst_key]
@@ -706,6 +998,72 @@ def check_loss(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSe
     )
 
     yield _sgd_direction(impl, model, batch, s)
+
+
+def _reference_kl(logp_new, logp_ref, o: Objective) -> torch.Tensor:
+    """float64 per-token KL estimate of the declared estimator and clamp."""
+    d = logp_ref.double() - logp_new.double()
+    if o.kl_estimator == "k1":
+        value = -d
+    elif o.kl_estimator == "k2":
+        value = d * d / 2
+    else:
+        if o.kl_clamp is not None:
+            d = d.clamp(-2 * o.kl_clamp, 2 * o.kl_clamp)
+        value = torch.exp(d) - d - 1
+    return value if o.kl_clamp is None else value.clamp(-o.kl_clamp, o.kl_clamp)
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether `fn` takes the keyword `name` (a user's function may not)."""
+    params = inspect.signature(fn).parameters
+    return name in params or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def check_kl_convention(impl: CoreFunctions, s: PreflightSettings):
+    """The declared KL term in the assembled loss: at A = 0 the loss is the aggregated
+    beta * KL (times the importance ratio under use_bias_correction_kl)."""
+    o = s.objective
+    g = torch.Generator().manual_seed(s.seed + 2)
+    logp_new, logp_old, _, mask = _clip_case(s)
+    logp_ref = logp_new + torch.randn(logp_new.shape, generator=g)
+    if o.kl_clamp is not None:  # gaps where the clamps act
+        logp_ref[0, :3] = logp_new[0, :3] + torch.tensor([12.0, -15.0, 25.0])
+    beta = o.beta if o.beta > 0 else 0.04
+    new = logp_new.clone().requires_grad_(True)
+    loss, _ = _loss(impl, new, logp_old, logp_ref, torch.zeros(4), mask, s, beta=beta, L=8)
+    torch.as_tensor(loss).backward()
+    ref_new = logp_new.double().clone().requires_grad_(True)
+    per_token = beta * _reference_kl(ref_new, logp_ref, o)
+    if o.use_bias_correction_kl:
+        per_token = per_token * _reference_ratio(ref_new, logp_old, mask, o)
+    expected = core.aggregate(per_token, mask.double(), o.aggregation, 8)
+    expected.backward()
+    # float32 against float64: relative to the size of the values
+    gap = max(
+        abs(float(loss) - float(expected)) / max(1.0, abs(float(expected))),
+        _max_abs(new.grad.double() - ref_new.grad) / max(1.0, _max_abs(ref_new.grad)),
+    )
+    what = f"{o.kl_estimator}" + (f", clamp {o.kl_clamp:g}" if o.kl_clamp else "")
+    what += ", x importance ratio" if o.use_bias_correction_kl else ""
+    yield _result(
+        "kl.convention",
+        5,
+        f"max |loss or its grad - beta * KL ({what})| at A = 0",
+        gap,
+        "<= 1e-5",
+        gap <= 1e-5,
+    )
+
+
+def _reference_ratio(logp_new, logp_old, mask, o: Objective) -> torch.Tensor:
+    new, old = logp_new.double(), logp_old.double()
+    log_ratio = torch.where(mask.bool(), new - old, torch.zeros_like(new))
+    if o.log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-o.log_ratio_clamp, o.log_ratio_clamp)
+    if o.importance_sampling_level == "sequence":
+        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    return torch.exp(log_ratio)
 
 
 def _sgd_direction(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
@@ -750,6 +1108,127 @@ def _sgd_direction(impl: CoreFunctions, model, batch: PreflightBatch, s: Preflig
         "> 0 (A>0 rises relative to A<0)",
         up - down > 0,
     )
+
+
+def check_menu(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
+    """The menu's steps outside the loss, each on a designed case, when its option is on."""
+    o = s.objective
+    if o.tis_cap is not None:
+        yield _check_is_weights(impl, o)
+    if o.dynamic_sampling:
+        rewards = torch.tensor(DESIGNED_REWARDS)
+        lengths = torch.tensor(DESIGNED_LENGTHS)
+        keep = impl.informative_groups(rewards, 4, o.advantage_eps).bool()
+        flat = torch.tensor([False, True, True, False])  # equal rewards, 1e-9 noise
+        leaked = float(lengths.view(-1, 4)[keep & flat].sum())
+        lost = float(lengths.view(-1, 4)[~keep & ~flat].sum())
+        yield _result(
+            "dynamic_sampling.normaliser",
+            0,
+            f"tokens of zero-variance groups kept in the loss's normaliser (informative "
+            f"groups' tokens dropped: {lost:g})",
+            leaked + lost,
+            "0",
+            leaked + lost == 0,
+        )
+    if o.mask_truncated_completions:
+        mask = torch.ones(4, 5)
+        mask[1, 3:] = 0
+        truncated = torch.tensor([True, False, False, True])
+        got = impl.truncation_mask(mask, truncated)
+        expected = mask * torch.tensor([0.0, 1, 1, 0])[:, None]
+        wrong = float((got != expected).sum())
+        yield _result(
+            "truncation.mask",
+            0,
+            "loss-mask entries wrong after masking truncated completions (rows 0 and 3)",
+            wrong,
+            "0",
+            wrong == 0,
+        )
+    if o.entropy_coef:
+        yield from _check_entropy(impl, model, batch, s)
+
+
+def _check_is_weights(impl: CoreFunctions, o: Objective) -> CheckResult:
+    g = torch.Generator().manual_seed(3)
+    trainer = -torch.rand(4, 5, generator=g) * 2
+    engine = trainer + torch.randn(4, 5, generator=g) * 0.4
+    engine[0] = trainer[0] - 0.5  # a sequence the trainer finds far likelier (ratio e^2.5)
+    mask = torch.ones(4, 5)
+    mask[2, 2:] = 0
+    mode = {} if o.tis_mode == "token_truncate" else {"mode": o.tis_mode}
+    got = impl.tis_weights(trainer, engine, mask, o.tis_cap, **mode).double()
+    log_w = ((trainer - engine).double() * mask).expand(4, 5)
+    if o.tis_mode.startswith("sequence"):
+        log_w = log_w.sum(1, keepdim=True).expand(4, 5)
+    w = torch.exp(log_w)
+    w = w.clamp(max=o.tis_cap) if o.tis_mode.endswith("truncate") else w * (w <= o.tis_cap)
+    gap = _max_abs((got - w)[mask.bool()])
+    return _result(
+        "engine.is_weights",
+        0,
+        f"max |weight - (pi_trainer / pi_engine, {o.tis_mode} at {o.tis_cap:g})|",
+        gap,
+        "<= 1e-5",
+        gap <= 1e-5,
+    )
+
+
+def _check_entropy(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
+    o = s.objective
+    # The bonus: d loss / d entropy is -entropy_coef times each token's aggregation weight.
+    g = torch.Generator().manual_seed(s.seed + 4)
+    logp_new, logp_old, adv, mask = _clip_case(s)
+    entropy = (torch.rand(mask.shape, generator=g) * 2).requires_grad_(True)
+    loss, _ = _loss(impl, logp_new, logp_old, None, adv, mask, s, L=8, entropy=entropy)
+    torch.as_tensor(loss).backward()
+    weights = torch.ones(mask.shape, dtype=torch.float64, requires_grad=True)
+    core.aggregate(weights, mask.double(), o.aggregation, 8).backward()
+    expected = -o.entropy_coef * weights.grad
+    grad = entropy.grad if entropy.grad is not None else torch.zeros_like(entropy)
+    gap = _max_abs((grad.double() - expected)[mask.bool()])
+    yield _result(
+        "entropy.bonus",
+        0,
+        f"max |d loss / d entropy - (-{o.entropy_coef:g} x aggregation weight)|",
+        gap,
+        "<= 1e-6",
+        gap <= 1e-6,
+    )
+    if not _takes(impl.sequence_logprobs, "return_entropy"):
+        return
+    rows = _unpadded_rows(batch)
+    with torch.no_grad():
+        _, _, got = impl.sequence_logprobs(
+            model, rows.input_ids, rows.attention_mask, rows.completion_mask, o.temperature,
+            return_entropy=True,
+        )  # fmt: skip
+        logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits
+        expected = core.token_entropy(logits[:, :-1].double(), o.temperature)
+    comp = rows.completion_mask[:, 1:].bool()
+    gap = _max_abs((got.double() - expected)[comp])
+    yield _result(
+        "entropy.values",
+        0,
+        "max |entropy - float64 entropy of softmax(logits / T)| on completion tokens",
+        gap,
+        "<= 1e-4",
+        gap <= 1e-4,
+    )
+
+
+def menu_ids(o: Objective) -> tuple[str, ...]:
+    ids = []
+    if o.tis_cap is not None:
+        ids.append("engine.is_weights")
+    if o.dynamic_sampling:
+        ids.append("dynamic_sampling.normaliser")
+    if o.mask_truncated_completions:
+        ids.append("truncation.mask")
+    if o.entropy_coef:
+        ids += ["entropy.bonus", "entropy.values"]
+    return tuple(ids)
 
 
 def check_rewards(batch: PreflightBatch):
@@ -847,7 +1326,37 @@ FAMILIES = {
     5: ("kl.nonnegative", "kl.identical", "kl.tracks_exact"),
     6: ("norm.aggregation", "norm.masked_gradient"),
     7: ("loss.finite", "loss.metrics", "loss.sgd_direction"),
-}
+}  # the seed objective's; `families` gives the declared objective's
+
+
+# Checks that run only where the objective declares something beyond the seed's (a profile's
+# convention, an option of the menu): the drill, on the seed's objective, never meets them.
+DECLARED_ONLY = frozenset(
+    {
+        "advantages.sample_std",
+        "advantages.estimator",
+        "gspo.ratio",
+        "gspo.length_weighting",
+        "cispo.gradient",
+        "clip.delta",
+        "clip.dual_clip",
+        "kl.convention",
+        "engine.is_weights",
+        "dynamic_sampling.normaliser",
+        "truncation.mask",
+        "entropy.bonus",
+        "entropy.values",
+    }
+)
+
+
+def families(o: Objective) -> dict[int, tuple[str, ...]]:
+    """Each goal's check ids, in the order they run, for the declared objective."""
+    return FAMILIES | {2: advantage_ids(o), 4: clip_ids(o)}
+
+
+def kl_convention_declared(o: Objective) -> bool:
+    return (o.kl_estimator, o.kl_clamp, o.use_bias_correction_kl) != ("k3", None, False)
 
 
 def run_checks(
@@ -860,16 +1369,21 @@ def run_checks(
     s = settings or PreflightSettings()
     impl = impl or CoreFunctions()
     torch.manual_seed(s.seed)
-    families = FAMILIES
+    fams = families(s.objective)
     with eval_mode(model, zero_grad=True):
         results = []
-        results += guarded(impl, families[1], 1, check_logprobs, impl, model, batch, s)
-        results += guarded(impl, families[2], 2, check_advantages, impl, batch, s)
-        results += guarded(impl, families[3], 3, check_ratio, impl, model, batch, s)
-        results += guarded(impl, families[4], 4, check_clip, impl, s)
-        results += guarded(impl, families[5], 5, check_kl, impl, model, batch, s)
-        results += guarded(impl, families[6], 6, check_normalisation, impl, model, batch, s)
-        results += guarded(impl, families[7], 7, check_loss, impl, model, batch, s)
+        results += guarded(impl, fams[1], 1, check_logprobs, impl, model, batch, s)
+        results += guarded(impl, fams[2], 2, check_advantages, impl, batch, s)
+        results += guarded(impl, fams[3], 3, check_ratio, impl, model, batch, s)
+        results += guarded(impl, fams[4], 4, check_clip, impl, s)
+        results += guarded(impl, fams[5], 5, check_kl, impl, model, batch, s)
+        if kl_convention_declared(s.objective):
+            results += guarded(impl, ("kl.convention",), 5, check_kl_convention, impl, s)
+        results += guarded(impl, fams[6], 6, check_normalisation, impl, model, batch, s)
+        results += guarded(impl, fams[7], 7, check_loss, impl, model, batch, s)
+        menu = menu_ids(s.objective)
+        if menu:
+            results += guarded(impl, menu, 0, check_menu, impl, model, batch, s)
         results += list(check_rewards(batch))
     return results
 

@@ -18,10 +18,16 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from grpolab.core import (
+    ADVANTAGE_ESTIMATORS,
     ADVANTAGE_SCALES,
+    ADVANTAGE_STDS,
     AGGREGATIONS,
+    IMPORTANCE_SAMPLING_LEVELS,
+    KL_ESTIMATORS,
     LOGPROB_SOURCES,
     LOSS_TYPE_ALIASES,
+    PROFILES,
+    TIS_MODES,
     Objective,
 )
 from grpolab.functions import LOGPROB_PATHS
@@ -55,6 +61,10 @@ class TrainerConfig:
     num_generations: int = 8  # G
     # TRL's name for B; when set, prompts_per_step = generation_batch_size / num_generations.
     generation_batch_size: int | None = None
+    # Whose GRPO: seed | trl | verl | openrlhf. A profile sets each convention in which the
+    # trainers differ (the keys marked "profile" below) the way that trainer does; a key
+    # given explicitly overrides its profile's value. The objective card prints the result.
+    profile: str = "seed"
     # Objective (TRL's names).
     epsilon: float = 0.2
     epsilon_high: float = 0.28
@@ -63,6 +73,35 @@ class TrainerConfig:
     loss_type: str = "sequence"  # sequence | token | constant (or grpo | bnpo | dapo | dr_grpo)
     scale_rewards: str = "group"  # group | batch | none
     advantage_eps: float = 1e-4
+    # Conventions (profile): the std of the advantages' groups, population (divide by G) or
+    # sample (G - 1); a group whose std <= advantage_eps gets advantages exactly 0
+    # (zero_std_guard) or is divided by std + advantage_eps like any other; the log-ratio
+    # clamped to +-log_ratio_clamp before exp; dual-clip (A < 0: loss at most dual_clip *
+    # |A|); the KL estimator (k1 | k2 | k3), its clamp, and the KL term times the importance
+    # ratio (use_bias_correction_kl, TRL's default). null = off.
+    advantage_std: str = "population"
+    zero_std_guard: bool = True
+    log_ratio_clamp: float | None = None
+    dual_clip: float | None = None
+    kl_estimator: str = "k3"
+    kl_clamp: float | None = None
+    use_bias_correction_kl: bool = False
+    # The algorithm menu. advantage_estimator: grpo | rloo (leave-one-out baseline) |
+    # reinforce_pp (group baseline, batch-whitened). importance_sampling_level: token |
+    # sequence (GSPO). loss_type=cispo: CISPO (epsilon_high is the cap on the ratio, e.g. 5).
+    # delta: two-sided clip, the unclipped ratio capped at delta (TRL's). entropy_coef: an
+    # entropy bonus (the masked entropy is reported whatever its value).
+    advantage_estimator: str = "grpo"
+    importance_sampling_level: str = "token"
+    delta: float | None = None
+    entropy_coef: float = 0.0
+    # Completions that hit max_completion_length without EOS leave the loss (TRL's).
+    mask_truncated_completions: bool = False
+    # DAPO's dynamic sampling: drop groups whose rewards do not vary (std <= advantage_eps)
+    # and sample more prompts, at most dynamic_sampling_max_rounds extra rounds per step;
+    # if the batch is still short, the dropped groups fill it, out of the loss.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 4
     # trainer: logp_old from the training model before any update (exact) | engine: the
     # rollout engine's log-probs (saves a forward; biased by the two numerical stacks).
     logprob_source: str = "trainer"
@@ -70,6 +109,9 @@ class TrainerConfig:
     # pi_engine, tis_cap), correcting for the engine's other numerics (TRL:
     # vllm_importance_sampling_cap). Needs the engine's log-probs; None = off.
     tis_cap: float | None = None
+    # token_truncate | token_mask | sequence_truncate | sequence_mask (TRL's default; one
+    # weight per sequence, exp of the summed log-ratio, 0 above tis_cap).
+    tis_mode: str = "token_truncate"
     logprobs: str = "fused"  # fused (grpolab.logprobs) | naive (core.sequence_logprobs; "core")
     # fused: run each group's shared prompt through the model once, its G completions against
     # that prompt's keys and values (exact; checked against one forward per row at first use).
@@ -169,7 +211,29 @@ class Config:
             num_iterations=t.num_iterations,
             logprob_source=t.logprob_source,
             tis_cap=t.tis_cap,
+            **{name: getattr(t, name) for name in OBJECTIVE_TRAINER_KEYS},
         )
+
+
+# TrainerConfig keys that are Objective fields under the same name, beyond the seed's.
+OBJECTIVE_TRAINER_KEYS = (
+    "profile",
+    "advantage_std",
+    "zero_std_guard",
+    "advantage_estimator",
+    "log_ratio_clamp",
+    "dual_clip",
+    "delta",
+    "importance_sampling_level",
+    "kl_estimator",
+    "kl_clamp",
+    "use_bias_correction_kl",
+    "entropy_coef",
+    "mask_truncated_completions",
+    "dynamic_sampling",
+    "dynamic_sampling_max_rounds",
+    "tis_mode",
+)
 
 
 # --- Loading ----------------------------------------------------------------------------------
@@ -189,8 +253,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg = OmegaConf.to_object(OmegaConf.merge(*layers))
     except OmegaConfBaseException as e:
         raise ConfigError(_describe(e, schema)) from None
+    apply_profile(cfg, _explicit_trainer_keys(layers[1:]))
     validate(cfg)
     return cfg
+
+
+def apply_profile(cfg: Config, explicit: set[str] = frozenset()) -> None:
+    """Each convention of trainer.profile onto the trainer keys not in `explicit` (the keys
+    the file or an override gave)."""
+    t = cfg.trainer
+    _need(t.profile in PROFILES, "trainer.profile", t.profile, f"one of {list(PROFILES)}")
+    for key, value in PROFILES[t.profile].items():
+        if key not in explicit:
+            setattr(t, key, value)
+
+
+def _explicit_trainer_keys(layers: list[DictConfig]) -> set[str]:
+    keys: set[str] = set()
+    for layer in layers:
+        trainer = layer.get("trainer") if isinstance(layer, DictConfig) else None
+        if isinstance(trainer, DictConfig):
+            keys |= set(trainer.keys())
+    return keys
 
 
 def _file_layer(path: Path) -> DictConfig:
@@ -367,6 +451,35 @@ def validate(cfg: Config) -> None:
         t.logprobs,
         f"one of {', '.join(LOGPROB_PATHS)}",
     )
+    for key, valid in (
+        ("advantage_std", ADVANTAGE_STDS),
+        ("advantage_estimator", ADVANTAGE_ESTIMATORS),
+        ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
+        ("kl_estimator", KL_ESTIMATORS),
+        ("tis_mode", TIS_MODES),
+    ):
+        value = getattr(t, key)
+        _need(value in valid, f"trainer.{key}", value, f"one of {list(valid)}")
+    for key, bound in (("log_ratio_clamp", 0), ("kl_clamp", 0), ("dual_clip", 1), ("delta", 1)):
+        value = getattr(t, key)
+        if value is not None:
+            _need(value > bound, f"trainer.{key}", value, f"a number > {bound}, or null (off)")
+    _need(t.entropy_coef >= 0, "trainer.entropy_coef", t.entropy_coef, "a number >= 0")
+    _need(
+        t.dynamic_sampling_max_rounds >= 0,
+        "trainer.dynamic_sampling_max_rounds",
+        t.dynamic_sampling_max_rounds,
+        "an integer >= 0 (extra generation rounds per step)",
+    )
+    if t.tis_mode != "token_truncate":
+        _need(t.tis_cap is not None, "trainer.tis_mode", t.tis_mode, "trainer.tis_cap set too")
+    if t.loss_type == "cispo":
+        _need(
+            t.epsilon_high > 1,
+            "trainer.epsilon_high",
+            t.epsilon_high,
+            "> 1 with loss_type=cispo: it is the cap on the ratio itself (e.g. 5.0)",
+        )
     _need(t.learning_rate > 0, "trainer.learning_rate", t.learning_rate, "a number > 0")
     _need(
         t.lr_scheduler in ("constant", "cosine"),
@@ -451,6 +564,12 @@ def validate_world(cfg: Config, world: int) -> None:
         "trainer.prompts_per_step",
         t.prompts_per_step,
         f"a multiple of the world size {world} (each rank takes whole groups)",
+    )
+    _need(
+        not t.dynamic_sampling or world == 1,
+        "trainer.dynamic_sampling",
+        t.dynamic_sampling,
+        "false under torchrun (each rank would keep a different number of groups)",
     )
     mini = t.mini_batch_size or cfg.batch_size
     _need(

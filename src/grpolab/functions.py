@@ -3,7 +3,8 @@ the drill alike.
 
 grpolab's own table is `grpolab.core` with the log-probs of `grpolab.logprobs` (the fused
 path unless `logprobs="naive"`); a user's file (`--impl`, the drill's `my_grpo.py`) replaces
-any of the six functions it defines, and the rest stay grpolab's.
+any of the six functions it defines (and of the menu's three: `tis_weights`,
+`informative_groups`, `truncation_mask`), and the rest stay grpolab's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from grpolab.core import CORE_FUNCTIONS, CoreFunctions
+from grpolab.core import CORE_FUNCTIONS, MENU_FUNCTIONS, CoreFunctions
 from grpolab.logprobs import token_logprobs
 
 # "core" is the old name of the naive path: the same code.
@@ -31,7 +32,9 @@ def core_functions(
     table = CoreFunctions()
     if logprobs == "fused":
 
-        def sequence_logprobs(model, input_ids, attention_mask, completion_mask, temperature=1.0):
+        def sequence_logprobs(
+            model, input_ids, attention_mask, completion_mask, temperature=1.0, return_entropy=False
+        ):
             return token_logprobs(
                 model,
                 input_ids,
@@ -39,6 +42,7 @@ def core_functions(
                 completion_mask,
                 temperature,
                 impl="fused",
+                return_entropy=return_entropy,
                 shared_prefix=shared_prefix,
             )
 
@@ -81,7 +85,7 @@ def load_impl(path: str | Path) -> CoreFunctions:
             f"{path}:{line}: {type(err).__name__} while loading: {err}", line=line
         ) from None
     impl = CoreFunctions(path=str(path))
-    for fn in CORE_FUNCTIONS:
+    for fn in CORE_FUNCTIONS + MENU_FUNCTIONS:
         if callable(getattr(module, fn, None)):
             setattr(impl, fn, getattr(module, fn))
             impl.source[fn] = str(path)

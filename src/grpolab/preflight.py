@@ -191,9 +191,10 @@ def check_split_invariance(
     L = o.max_completion_length or batch.input_ids.shape[1]
 
     def loss_of(logp, mask, rows=slice(None)) -> torch.Tensor:
+        kwargs = o.loss_kwargs() | {"beta": 0.0, "max_completion_length": L}
         loss, _ = impl.grpo_loss(
             logp, logp.detach() + 0.05, None, advantages[rows], mask,
-            **o.loss_kwargs() | {"beta": 0.0, "max_completion_length": L},
+            **core.accepted_kwargs(impl.grpo_loss, kwargs),
         )  # fmt: skip
         return loss
 

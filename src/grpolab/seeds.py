@@ -12,16 +12,17 @@ import torch
 
 STEP_STRIDE = 1_000_003  # rollout seeds: one block of steps per run seed
 RANK_STRIDE = 7_654_321  # another rank's rollout seed, far from every step of rank 0
+ROUND_STRIDE = 15_485_863  # dynamic sampling's further rounds within a step
 ORDER_STRIDE = 7_919  # minibatch shuffles: one block of steps per run seed
 ORDER_RANK_STRIDE = 104_729
 PREFLIGHT_PROMPTS = 12_345  # the preflight's prompts and samples: never a training step's
 PREFLIGHT_SAMPLING = 54_321
 
 
-def rollout_seed(seed: int, step: int, rank: int = 0) -> int:
+def rollout_seed(seed: int, step: int, rank: int = 0, round_: int = 0) -> int:
     """The sampling seed of a step's rollout on `rank` (rank 0 samples what one process
-    samples)."""
-    return seed * STEP_STRIDE + step + RANK_STRIDE * rank
+    samples); `round_` > 0: dynamic sampling's further rounds of the same step."""
+    return seed * STEP_STRIDE + step + RANK_STRIDE * rank + ROUND_STRIDE * round_
 
 
 def minibatch_order(seed: int, step: int, rank: int = 0) -> torch.Generator:

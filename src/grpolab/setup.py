@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from grpolab import core, seeds
 from grpolab import dist as dist_module
-from grpolab import seeds
 from grpolab.config import Config, validate_world
 from grpolab.core import CoreFunctions
 from grpolab.dist import Dist
@@ -219,15 +219,44 @@ def task_engine(cfg: Config, model: torch.nn.Module, tokenizer, model_path: str 
 
 
 def check_functions_support(functions: CoreFunctions, cfg: Config) -> None:
-    """Options that need more than the six functions' basic signatures from a user's file."""
+    """Options that need more than the six functions' basic signatures from a user's file:
+    each keyword the configured objective passes (beyond the conventions a function may
+    compute as written, which the preflight checks) must be one the function takes."""
+    o = cfg.objective
+    needs = {
+        "grpo_loss": [k for k in o.loss_kwargs() if k not in core.CONVENTION_KWARGS],
+        "group_advantages": [k for k in o.advantage_kwargs() if k not in core.CONVENTION_KWARGS],
+    }
     if cfg.trainer.tis_cap is not None:
-        params = inspect.signature(functions.grpo_loss).parameters
-        if "token_weights" not in params:
-            source = functions.source.get("grpo_loss", "grpolab")
+        needs["grpo_loss"].append("token_weights")
+        if o.tis_mode != "token_truncate":
+            needs["tis_weights"] = ["mode"]
+    if o.entropy_coef:
+        needs["grpo_loss"].append("entropy")
+    for name, keys in needs.items():
+        fn, source = getattr(functions, name), functions.source.get(name, "grpolab")
+        params = inspect.signature(fn).parameters
+        if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            continue
+        missing = [k for k in keys if k not in params]
+        if missing:
+            key = {
+                "token_weights": "tis_cap",
+                "estimator": "advantage_estimator",
+                "mode": "tis_mode",
+                "entropy": "entropy_coef",
+            }.get(missing[0], missing[0])
+            value = getattr(cfg.trainer, key, None)
             raise ValueError(
-                f"trainer.tis_cap={cfg.trainer.tis_cap} needs a grpo_loss that takes "
-                f"token_weights; the one from {source} does not"
+                f"trainer.{key}={value} needs a {name} that takes {', '.join(missing)}; the one "
+                f"from {source} does not"
             )
+    if o.surrogate == "cispo" and functions.source.get("grpo_loss", "grpolab") != "grpolab":
+        raise ValueError(
+            "trainer.loss_type=cispo is computed by grpolab's grpo_loss (its loss_agg picks the "
+            f"surrogate); the grpo_loss from {functions.source['grpo_loss']} would aggregate "
+            "the clipped surrogate instead"
+        )
 
 
 # --- Optimizer, schedule, model options ------------------------------------------------------

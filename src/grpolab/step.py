@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,9 +47,13 @@ class StepBatch:
     advantages: torch.Tensor  # [B]: this rank's rows of the global batch's advantages
     adv_group_sum: float  # max |sum of a group's advantages| over the global batch: ~0
     engine_logprobs: torch.Tensor | None  # [B, T-1], the engine's own, when it reports them
+    # [B] 1 for rows in the loss, 0 for rows out of it (truncated completions under
+    # mask_truncated_completions, dynamic sampling's fill); None: every row.
+    loss_rows: torch.Tensor | None = None
     logp_old: torch.Tensor | None = None  # [B, T-1]; None: the loss forward's own (on-policy)
     logp_ref: torch.Tensor | None = None  # [B, T-1] when beta > 0
     timings: dict[str, float] = field(default_factory=dict)
+    sampling: dict[str, float] = field(default_factory=dict)  # dynamic sampling's counts
     nonfinite: str | None = None  # what went non-finite first in the update, if anything
 
     @property
@@ -114,40 +120,36 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], StepBatch]:
 
 def collect(run: Run, step: int) -> StepBatch:
     """Prompts -> G samples each (eval mode, no grad, a per-step seed: a resumed run samples
-    the same) -> rewards -> advantages over the global batch."""
-    cfg, d = run.cfg, run.dist
+    the same) -> rewards -> advantages over the global batch. Under dynamic sampling, more
+    rounds of prompts until the batch holds prompts_per_step informative groups."""
+    cfg, d, o = run.cfg, run.dist, run.cfg.objective
     G = cfg.trainer.num_generations
-    timings = {}
-    tic = time.perf_counter()
+    timings: dict[str, float] = {}
     run.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: not held meanwhile
-    # Every rank draws the same global prompts and keeps its slice of whole groups.
-    drawn = run.task.sample(cfg.trainer.prompts_per_step, run.prompt_generator)
-    examples = drawn[dist_module.rank_slice(len(drawn), d)]
-    if d.on and cfg.trainer.rollout_split == "replicated":
-        params = cfg.rollout.sampling(seeds.rollout_seed(cfg.seed, step))
-        rollout = run.engine.generate([e.prompt for e in drawn], G, params)
-        rollout = rollout.rows(dist_module.rank_slice(rollout.batch_size, d))
-    else:
-        params = cfg.rollout.sampling(seeds.rollout_seed(cfg.seed, step, d.rank))
-        rollout = run.engine.generate([e.prompt for e in examples], G, params)
-    if cfg.trainer.tis_cap is not None and rollout.engine_logprobs is None:
-        raise ValueError(
-            "trainer.tis_cap needs the engine's log-probs; this engine returned none (vLLM "
-            "with top_k / top_p)"
+    examples, rollout, scores = sample_and_score(run, step, 0, timings)
+    loss_rows, counts = None, {}
+    if o.dynamic_sampling:
+        examples, rollout, scores, loss_rows, counts = keep_informative(
+            run, step, (examples, rollout, scores), timings
         )
-    timings["time/rollout"] = time.perf_counter() - tic
+    if o.mask_truncated_completions:
+        kept = run.functions.truncation_mask(torch.ones(rollout.batch_size, 1), rollout.truncated)
+        loss_rows = kept.view(-1) if loss_rows is None else loss_rows * kept.view(-1)
 
     tic = time.perf_counter()
-    scores = score(rollout, examples, run.rewards)
     correct = correct_answers(scores, rollout.completions, examples, run.rewards, run.accuracy)
     answers = [e.answer for e in examples for _ in range(G)]
     strict = strict_correct(rollout.completions, answers)  # independent of the rewards
     # Advantages over the global batch ("batch" scaling needs every rank's rewards).
     all_rewards = dist_module.all_gather_cat(scores.total, d)  # [B_global]
-    advantages = run.functions.group_advantages(all_rewards, G, **cfg.objective.advantage_kwargs())
+    kwargs = core.accepted_kwargs(run.functions.group_advantages, o.advantage_kwargs())
+    if o.advantage_estimator == "reinforce_pp":  # whitened over the batch's tokens
+        lengths = rollout.completion_mask.sum(dim=1).float()
+        kwargs["lengths"] = dist_module.all_gather_cat(lengths, d)
+    advantages = run.functions.group_advantages(all_rewards, G, **kwargs)
     adv_group_sum = float(advantages.view(-1, G).sum(dim=1).abs().max())
     advantages = advantages[dist_module.rank_slice(len(advantages), d)]  # [B]
-    timings["time/score"] = time.perf_counter() - tic
+    timings["time/score"] = timings.get("time/score", 0.0) + time.perf_counter() - tic
 
     dev = run.device
     return StepBatch(
@@ -165,8 +167,104 @@ def collect(run: Run, step: int) -> StepBatch:
         engine_logprobs=(
             None if rollout.engine_logprobs is None else rollout.engine_logprobs.to(dev)
         ),
+        loss_rows=None if loss_rows is None else loss_rows.to(dev),
         timings=timings,
+        sampling=counts,
     )
+
+
+def sample_and_score(
+    run: Run, step: int, round_: int, timings: dict[str, float]
+) -> tuple[list[Example], Rollout, RewardResult]:
+    """One round of prompts_per_step prompts, sampled and scored (round 0: the step's own
+    seed; later rounds of dynamic sampling draw further prompts with seeds of their own)."""
+    cfg, d = run.cfg, run.dist
+    G = cfg.trainer.num_generations
+    tic = time.perf_counter()
+    # Every rank draws the same global prompts and keeps its slice of whole groups.
+    drawn = run.task.sample(cfg.trainer.prompts_per_step, run.prompt_generator)
+    examples = drawn[dist_module.rank_slice(len(drawn), d)]
+    if d.on and cfg.trainer.rollout_split == "replicated":
+        params = cfg.rollout.sampling(seeds.rollout_seed(cfg.seed, step, round_=round_))
+        rollout = run.engine.generate([e.prompt for e in drawn], G, params)
+        rollout = rollout.rows(dist_module.rank_slice(rollout.batch_size, d))
+    else:
+        params = cfg.rollout.sampling(seeds.rollout_seed(cfg.seed, step, d.rank, round_))
+        rollout = run.engine.generate([e.prompt for e in examples], G, params)
+    if cfg.trainer.tis_cap is not None and rollout.engine_logprobs is None:
+        raise ValueError(
+            "trainer.tis_cap needs the engine's log-probs; this engine returned none (vLLM "
+            "with top_k / top_p)"
+        )
+    timings["time/rollout"] = timings.get("time/rollout", 0.0) + time.perf_counter() - tic
+    tic = time.perf_counter()
+    scores = score(rollout, examples, run.rewards)
+    timings["time/score"] = timings.get("time/score", 0.0) + time.perf_counter() - tic
+    return examples, rollout, scores
+
+
+def keep_informative(run: Run, step: int, first, timings: dict[str, float]):
+    """DAPO's dynamic sampling: keep the groups whose rewards vary (`informative_groups`),
+    sampling further rounds until prompts_per_step are kept or the extra rounds run out;
+    then the dropped groups fill what is missing, with loss_rows 0 (out of the loss and its
+    normaliser). Returns (examples, rollout, scores, loss_rows [B], counts for the metrics)."""
+    cfg, o = run.cfg, run.cfg.objective
+    G, need = cfg.trainer.num_generations, cfg.trainer.prompts_per_step
+    kept: list[tuple[Example, Rollout]] = []
+    dropped: list[tuple[Example, Rollout]] = []
+    rounds, generated = [first], 0
+    while rounds:
+        examples, rollout, scores = rounds.pop()
+        keep = run.functions.informative_groups(scores.total, G, o.advantage_eps)
+        for g, example in enumerate(examples):
+            group = (example, rollout.rows(slice(g * G, (g + 1) * G)))
+            (kept if bool(keep[g]) else dropped).append(group)
+        generated += len(examples)
+        extra_round = generated // need
+        if len(kept) < need and extra_round <= o.dynamic_sampling_max_rounds:
+            rounds.append(sample_and_score(run, step, extra_round, timings))
+    chosen = kept[:need] + dropped[: max(0, need - len(kept))]
+    examples = [e for e, _ in chosen]
+    rollout = cat_rollouts([r for _, r in chosen])
+    n_kept = min(len(kept), need)
+    loss_rows = torch.tensor([1.0] * n_kept * G + [0.0] * (need - n_kept) * G)
+    counts = {
+        "dynamic/groups_generated": float(generated),
+        "dynamic/groups_kept": float(n_kept),
+        "dynamic/groups_filled": float(need - n_kept),
+    }
+    return examples, rollout, score(rollout, examples, run.rewards), loss_rows, counts
+
+
+def cat_rollouts(parts: list[Rollout]) -> Rollout:
+    """Whole groups of several rollouts as one: prompts left-padded to the longest prompt
+    (P), completions right-padded to the widest; [B, T] and [B, T-1] fields are re-padded
+    alike, [B] fields and lists concatenated, group ids renumbered."""
+    P = max(r.prompt_length for r in parts)
+    width = max(r.input_ids.shape[1] - r.prompt_length for r in parts)
+    fields = {}
+    for f in dataclasses.fields(Rollout):
+        values = [getattr(r, f.name) for r in parts]
+        first = values[0]
+        if f.name == "prompt_length":
+            fields[f.name] = P
+        elif f.name == "group_ids":
+            fields[f.name] = torch.cat([v + i for i, v in enumerate(values)])
+        elif isinstance(first, list):
+            fields[f.name] = [x for v in values for x in v]
+        elif isinstance(first, torch.Tensor) and first.dim() == 2:
+            pads = [
+                (P - r.prompt_length, width - (r.input_ids.shape[1] - r.prompt_length))
+                for r in parts
+            ]
+            fields[f.name] = torch.cat(
+                [torch.nn.functional.pad(v, pad) for v, pad in zip(values, pads, strict=True)]
+            )
+        elif isinstance(first, torch.Tensor):
+            fields[f.name] = torch.cat(values)
+        else:
+            fields[f.name] = first
+    return Rollout(**fields)
 
 
 # --- Old and reference log-probs -----------------------------------------------------------------
@@ -258,6 +356,8 @@ def optimizer_step(
     cfg, d, plan = run.cfg, run.dist, run.plan
     params = [p for p in run.model.parameters() if p.requires_grad]
     minibatch_mask = batch.completion_mask[rows, 1:]  # [mini, T-1]
+    if batch.loss_rows is not None:  # rows out of the loss are out of its normaliser
+        minibatch_mask = minibatch_mask * batch.loss_rows[rows, None]
     # The normaliser is global: the same count on every rank, so the ranks' summed gradients
     # are the single-process gradient of the global minibatch.
     count = dist_module.all_sum(core.normaliser_count(cfg.trainer.loss_type, minibatch_mask), d)
@@ -303,39 +403,34 @@ def micro_step(
 ) -> tuple[torch.Tensor, str | None]:
     """The loss of micro-batch `rows` scaled to its share of the minibatch's loss, and the
     first non-finite input or loss value (None when all are finite). Records its metrics."""
-    cfg, fns = run.cfg, run.functions
+    cfg, fns, o = run.cfg, run.functions, run.cfg.objective
+    with_entropy = _takes(fns.sequence_logprobs, "return_entropy")
     with autocast(cfg.trainer.autocast, run.device):  # the forward only; backward outside
-        logp, mask = fns.sequence_logprobs(
+        logp, mask, *entropy = fns.sequence_logprobs(
             run.model,
             batch.input_ids[rows],
             batch.attention_mask[rows],
             batch.completion_mask[rows],
             cfg.rollout.temperature,
+            **({"return_entropy": True} if with_entropy else {}),
         )  # [b, T-1], float32 whatever the matmul precision
+    if batch.loss_rows is not None:
+        mask = mask * batch.loss_rows[rows, None]
     old = logp.detach() if batch.logp_old is None else batch.logp_old[rows]
     ref = None if batch.logp_ref is None else batch.logp_ref[rows]
     engine = None if batch.engine_logprobs is None else batch.engine_logprobs[rows]
-    weights = None  # [b, T-1] truncated importance weights, engine -> trainer
-    if cfg.trainer.tis_cap is not None:
-        weights = core.tis_weights(old, engine, mask, cfg.trainer.tis_cap)
-        stats.tis_capped += float(((weights >= cfg.trainer.tis_cap) * mask).sum())
-        stats.tis_weight += float((weights * mask).sum())
-        stats.tis_tokens += float(mask.sum())
     if first:  # the policy that sampled, not yet updated: the ratio must be 1
         deviation = masked_max_abs(torch.exp(logp.detach() - old) - 1, mask)
         stats.ratio_dev = max(stats.ratio_dev, deviation)
         if engine is not None:
             gap = masked_max_abs(engine - logp.detach(), mask)
             stats.engine_gap = max(stats.engine_gap or 0.0, gap)
-    loss, loss_metrics = fns.grpo_loss(
-        logp,
-        old,
-        ref,
-        batch.advantages[rows],
-        mask,
-        **cfg.objective.loss_kwargs(),
-        **({} if weights is None else {"token_weights": weights}),
-    )
+    kwargs = core.accepted_kwargs(fns.grpo_loss, o.loss_kwargs())
+    if cfg.trainer.tis_cap is not None:
+        kwargs["token_weights"] = engine_weights(run, old, engine, mask, stats)
+    if entropy and _takes(fns.grpo_loss, "entropy"):
+        kwargs["entropy"] = entropy[0]
+    loss, loss_metrics = fns.grpo_loss(logp, old, ref, batch.advantages[rows], mask, **kwargs)
     given_old = None if batch.logp_old is None else old  # on-policy: old is logp itself
     problem = first_nonfinite(
         {"logp_old": given_old, "logp_ref": ref, "logp_new": logp.detach()}, mask
@@ -346,6 +441,25 @@ def micro_step(
     for key, value in loss_metrics.items():
         stats.token_sums[key] = stats.token_sums.get(key, 0.0) + float(value) * tokens
     return loss * scale, problem
+
+
+def engine_weights(run: Run, old, engine, mask, stats: UpdateStats) -> torch.Tensor:
+    """The importance weights against the engine's log-probs (tis_mode), [b, T-1], and their
+    statistics: the mean weight and the share of tokens capped (truncate) or dropped (mask)."""
+    o = run.cfg.objective
+    mode = {} if o.tis_mode == "token_truncate" else {"mode": o.tis_mode}
+    weights = run.functions.tis_weights(old, engine, mask, o.tis_cap, **mode)
+    hit = (weights >= o.tis_cap) if o.tis_mode.endswith("truncate") else (weights == 0)
+    stats.tis_capped += float((hit * mask).sum())
+    stats.tis_weight += float((weights * mask).sum())
+    stats.tis_tokens += float(mask.sum())
+    return weights
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether `fn` takes the keyword `name` (a user's function may not)."""
+    params = inspect.signature(fn).parameters
+    return name in params or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def first_nonfinite(
@@ -397,6 +511,7 @@ def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, An
     if run.cfg.trainer.tis_cap is not None:
         metrics["tis/weight_mean"] = stats.tis_weight / max(stats.tis_tokens, 1.0)
         metrics["tis/capped_frac"] = stats.tis_capped / max(stats.tis_tokens, 1.0)
+    metrics |= batch.sampling
     metrics |= batch.timings
     metrics["time/step"] = sum(batch.timings.values())
     sync_gap = getattr(run.engine, "last_sync_gap", None)  # vLLM: the verified sync's canary

@@ -242,10 +242,13 @@ HINTS: dict[str, list[dict[str, str]]] = {
             "zh": "有差异的组里，优势的标准差应该是 1：看看标准差是怎么算的。",
         },
         {
-            "en": "Use the population std (divide by G), as the mainstream implementations do; "
-            "torch's default std divides by G-1. With G = 4 that is a factor sqrt(4/3).",
-            "zh": "用总体标准差（除 G），和主流实现一致；torch 默认的 std 除的是 G−1。"
-            "G = 4 时差一个 sqrt(4/3) 的因子。",
+            "en": "The drill declares the population std (divide by G), grpolab's seed "
+            "convention; torch's default std divides by G-1 (the sample std, what TRL, verl and "
+            "OpenRLHF use: a convention, not a bug, but not the declared one here). With G = 4 "
+            "the two differ by a factor sqrt(4/3).",
+            "zh": "本练习约定用总体标准差（除 G），即 grpolab 种子实现的约定；torch 默认的 std "
+            "除的是 G−1（样本标准差，TRL、verl、OpenRLHF 用的就是它：这是另一种约定，不是错误，"
+            "但不是这里声明的约定）。G = 4 时两者差一个 sqrt(4/3) 的因子。",
         },
         {
             "en": "std = r.std(dim=1, unbiased=False, keepdim=True)",

@@ -35,7 +35,8 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     """Goal 2. Each reward minus its group's mean, divided by the group's std + eps.
 
     rewards: [B], B = n_groups * group_size; the group_size samples of a prompt are
-    contiguous. Use the population std (divide by group_size). Where a group's std <= eps
+    contiguous. Use the population std (divide by group_size: the drill's declared
+    convention; TRL and verl divide by group_size - 1). Where a group's std <= eps
     the advantage is exactly 0. Returns [B].
     scale: "group" (the drill checks this one); the trainer may also pass "batch" (the
     population std of the whole batch) or "none" (mean-centred only).

@@ -1,0 +1,118 @@
+"""The profiles and the menu in a real training step: config resolution, dynamic sampling,
+truncated completions, and what a user's functions must take."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpolab import core
+from grpolab.config import ConfigError, load_config
+from grpolab.functions import load_impl
+from grpolab.models import build_char_tokenizer, build_tiny_model
+from grpolab.rollout.base import SamplingParams
+from grpolab.rollout.hf import HFEngine
+from grpolab.setup import build_run, load_start_model
+from grpolab.step import cat_rollouts, grpo_step
+
+MUTANTS = Path(__file__).parent / "mutants"
+TINY = [
+    "trainer.prompts_per_step=4",
+    "trainer.num_generations=4",
+    "rollout.max_completion_length=6",
+    "trainer.eval_examples=0",
+]
+
+
+def _run(tmp_path, *overrides, functions=None):
+    cfg = load_config(None, [f"output_dir={tmp_path}", *TINY, *overrides])
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    return build_run(cfg, model, tokenizer, functions=functions)
+
+
+def test_a_profile_sets_its_conventions_and_explicit_keys_win():
+    trl = load_config(None, ["trainer.profile=trl"]).trainer
+    assert (trl.advantage_std, trl.zero_std_guard, trl.loss_type) == ("sample", False, "dapo")
+    assert (trl.epsilon_high, trl.use_bias_correction_kl) == (0.2, True)
+    mine = load_config(None, ["trainer.epsilon_high=0.28", "trainer.profile=verl"]).trainer
+    assert mine.epsilon_high == 0.28 and mine.dual_clip == 3.0 and mine.advantage_eps == 1e-6
+    seed = load_config(None, []).trainer
+    assert (seed.advantage_std, seed.loss_type, seed.epsilon_high) == (
+        "population",
+        "sequence",
+        0.28,
+    )
+    card = core.objective_card(load_config(None, ["trainer.profile=openrlhf"]).objective)
+    assert "profile openrlhf" in card and "1e-09" in card
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.profile=deepseek", "trainer.profile"),
+        ("trainer.advantage_std=biased", "trainer.advantage_std"),
+        ("trainer.loss_type=cispo", "trainer.epsilon_high"),
+        ("trainer.dual_clip=1", "trainer.dual_clip"),
+        ("trainer.tis_mode=sequence_mask", "trainer.tis_mode"),
+        ("trainer.dynamic_sampling_max_rounds=-1", "trainer.dynamic_sampling_max_rounds"),
+    ],
+)
+def test_bad_values_name_their_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_rollouts_of_different_widths_concatenate_without_moving_a_logprob():
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0)
+    engine = HFEngine(model, tokenizer)
+    short = engine.generate(["1+1="], 2, SamplingParams(max_completion_length=3, seed=0))
+    long = engine.generate(["37+48=", "5+5="], 2, SamplingParams(max_completion_length=7, seed=1))
+    both = cat_rollouts([short, long.rows(slice(0, 2)), long.rows(slice(2, 4))])
+    assert both.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    assert both.prompts == short.prompts + long.prompts
+    with torch.no_grad():
+        parts = [
+            core.sequence_logprobs(model, r.input_ids, r.attention_mask, r.completion_mask)
+            for r in (short, long)
+        ]
+        whole, mask = core.sequence_logprobs(
+            model, both.input_ids, both.attention_mask, both.completion_mask
+        )
+    for rows, (logp, part_mask) in zip((slice(0, 2), slice(2, 6)), parts, strict=True):
+        got = whole[rows][mask[rows].bool()]
+        torch.testing.assert_close(got, logp[part_mask.bool()], atol=1e-5, rtol=0)
+    assert torch.equal(both.completion_mask.sum(1)[2:], long.completion_mask.sum(1))
+
+
+def test_dynamic_sampling_keeps_informative_groups_out_of_flat_ones(tmp_path):
+    run = _run(tmp_path, "trainer.dynamic_sampling=true", "trainer.dynamic_sampling_max_rounds=3")
+    metrics, batch = grpo_step(run, 1)
+    kept, filled = metrics["dynamic/groups_kept"], metrics["dynamic/groups_filled"]
+    assert kept + filled == 4 and metrics["dynamic/groups_generated"] >= 4
+    assert metrics["dynamic/groups_generated"] <= 4 * (1 + 3)
+    std = batch.rewards.view(-1, 4).std(dim=1, unbiased=False)
+    in_loss = batch.loss_rows.view(-1, 4)[:, 0].bool()
+    assert in_loss.sum() == kept and bool((std[in_loss] > 1e-4).all())
+    assert bool((std[~in_loss] <= 1e-4).all())  # the fill: no variance, out of the loss
+
+
+def test_truncated_completions_leave_the_loss(tmp_path):
+    run = _run(
+        tmp_path, "trainer.mask_truncated_completions=true", "rollout.max_completion_length=3"
+    )
+    _, batch = grpo_step(run, 1)
+    assert batch.rollout.truncated.any()
+    assert batch.loss_rows.tolist() == (~batch.rollout.truncated).float().tolist()
+
+
+def test_a_seed_signature_impl_runs_under_any_profile_but_not_a_menu_option(tmp_path):
+    impl = load_impl(MUTANTS / "sign_flipped.py")  # grpo_loss with the seed's signature
+    run = _run(tmp_path / "trl", "trainer.profile=trl", functions=impl)
+    metrics, _ = grpo_step(run, 1)  # its convention is its own: the preflight checks it
+    assert "loss" in metrics
+    with pytest.raises(ValueError, match=r"trainer\.importance_sampling_level=sequence needs a "):
+        _run(tmp_path / "gspo", "trainer.importance_sampling_level=sequence", functions=impl)
+    advantages = load_impl(MUTANTS / "population_std.py")
+    with pytest.raises(ValueError, match=r"trainer\.advantage_estimator=rloo"):
+        _run(tmp_path / "rloo", "trainer.advantage_estimator=rloo", functions=advantages)
