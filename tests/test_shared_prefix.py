@@ -108,17 +108,21 @@ def test_no_plan_where_sharing_does_not_pay_or_apply(tokenizer):
     assert plan_shared_prefix(ids, attn, comp).owner.tolist()[:4] == [0, 1, 2, 2]
 
 
-def test_gradient_checkpointing_takes_the_plain_forward(tokenizer):
+def test_gradient_checkpointing_keeps_the_shared_prompt(tokenizer):
+    """Checkpointed layers run their forward again in backward: the prompt's KV cache must
+    give them the same keys the second time, and the gradient must be the plain one's."""
     model = build_tiny_model(tokenizer, seed=4).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     batch = grouped_batch(tokenizer)
     logp, _, grads = values_and_grads(model, batch)
-    assert "checkpointing" in shared_prefix_status(model, *batch)
+    assert shared_prefix_status(model, *batch) is None  # the shared path ran, checkpointed
     model.gradient_checkpointing_disable()
     plain, _, plain_grads = values_and_grads(model, batch, shared_prefix=False)
     torch.testing.assert_close(logp, plain, **FP32)
     for a, b in zip(grads, plain_grads, strict=True):
         torch.testing.assert_close(a, b, **FP32)
+    # The layers' own setting is back: outside grpolab's forward they drop a cache as before.
+    assert not any(m.__dict__.get("_can_checkpoint_with_cache") for m in model.modules())
 
 
 def test_sliding_window_cache_is_refused_and_the_result_still_right(tokenizer, caplog):

@@ -24,6 +24,7 @@ kept as the reference.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import weakref
@@ -642,23 +643,30 @@ def suffix_buckets(needed: torch.Tensor) -> list[torch.Tensor]:
     return [order[a:b] for a, b in spans]
 
 
-def _prefix_hidden(body, input_ids, attention_mask, position_ids, plan: PrefixPlan):
+def _prefix_hidden(
+    body, input_ids, attention_mask, position_ids, plan: PrefixPlan, replay: bool = False
+):
     """Final hidden states at positions [plan.length - 1, T - 1) -> [B, T - length, H]: what
     predicts the tokens in columns [length, T), zeros past each row's last real token. None
-    if the body keeps no plain KV cache."""
+    if the body keeps no plain KV cache. `replay`: caches that checkpointed layers may run
+    twice (`_replayable_cache`), for a model under gradient checkpointing."""
     from transformers.cache_utils import DynamicCache
 
     P = plan.length
     B, T = input_ids.shape
     rows = plan.firsts
-    out = body(
-        input_ids=input_ids[rows, :P],
-        attention_mask=attention_mask[rows, :P],
-        position_ids=position_ids[rows, :P],
-        use_cache=True,
-    )
+    if replay and not plain_kv_cache(DynamicCache(config=body.config)):
+        return None
+    with _cache_through_checkpoints(body, replay):
+        out = body(
+            input_ids=input_ids[rows, :P],
+            attention_mask=attention_mask[rows, :P],
+            position_ids=position_ids[rows, :P],
+            past_key_values=_replayable_cache(body.config.num_hidden_layers) if replay else None,
+            use_cache=True,
+        )
     prefix = out.past_key_values  # [U, heads, P, d] per layer
-    if not plain_kv_cache(prefix):
+    if not replay and not plain_kv_cache(prefix):
         return None
     last = out.last_hidden_state[:, -1]  # [U, H], predicts column P
     window = last.new_zeros(B, T - P, last.shape[-1])
@@ -675,19 +683,71 @@ def _prefix_hidden(body, input_ids, attention_mask, position_ids, plan: PrefixPl
         if width == 0:
             continue
         owners = plan.owner[bucket]  # this bucket's rows' prompts, by index
-        cache = DynamicCache()
-        for i, layer in enumerate(prefix.layers):
-            keys, values = layer.keys.index_select(0, owners), layer.values.index_select(0, owners)
-            cache.update(keys, values, i)
-        out = body(
-            input_ids=input_ids[bucket, P : P + width],
-            attention_mask=attention_mask[bucket, : P + width],
-            position_ids=position_ids[bucket, P : P + width],
-            past_key_values=cache,
-            use_cache=True,
-        )
+        selected = [
+            (layer.keys.index_select(0, owners), layer.values.index_select(0, owners))
+            for layer in prefix.layers
+        ]
+        if replay:
+            cache = _replayable_cache(len(selected), selected)
+        else:
+            cache = DynamicCache()
+            for i, (keys, values) in enumerate(selected):
+                cache.update(keys, values, i)
+        with _cache_through_checkpoints(body, replay):
+            out = body(
+                input_ids=input_ids[bucket, P : P + width],
+                attention_mask=attention_mask[bucket, : P + width],
+                position_ids=position_ids[bucket, P : P + width],
+                past_key_values=cache,
+                use_cache=True,
+            )
         window[bucket, 1 : 1 + width] = out.last_hidden_state  # [b, width, H]
     return window
+
+
+def _replayable_cache(num_layers: int, bases: list | None = None):
+    """A plain KV cache whose layers may be replayed: each layer's update returns its base
+    (the prompt's keys and values, or nothing) followed by the new ones, the same on every
+    call. A checkpointed decoder layer runs its forward a second time in backward; a
+    DynamicLayer would append the keys again there and hand attention a longer cache."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class ReplayableLayer(DynamicLayer):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+            if base is not None:
+                self.lazy_initialization(*base)
+                self.keys, self.values = base
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if self.base is None:
+                self.keys, self.values = key_states, value_states
+            else:
+                self.keys = torch.cat([self.base[0], key_states], dim=-2)
+                self.values = torch.cat([self.base[1], value_states], dim=-2)
+            return self.keys, self.values
+
+    cache = DynamicCache()
+    cache.layers = [ReplayableLayer(None if bases is None else bases[i]) for i in range(num_layers)]
+    return cache
+
+
+@contextlib.contextmanager
+def _cache_through_checkpoints(body, replay: bool):
+    """transformers' checkpointed layers drop a KV cache unless told that they only read
+    it; a replayable cache is read-only in that sense, so they keep it inside the block."""
+    wanted = "_can_checkpoint_with_cache"
+    layers = [m for m in body.modules() if hasattr(m, wanted)] if replay else []
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache  # back to the class's own value
 
 
 # Verdict per model: None when one-forward-per-prompt was checked against the plain forward.
@@ -705,13 +765,16 @@ def _verify_shared_prefix(model, body, input_ids, attention_mask, position_ids, 
         zeros = torch.zeros(2, dtype=torch.long, device=rows.device)
         small = PrefixPlan(plan.length, rows[:1], zeros)
         ids, attn, pos = input_ids[rows], attention_mask[rows], position_ids[rows]
-        got = _prefix_hidden(body, ids, attn, pos, small)
-        if got is None:
-            return "shared-prefix forward: its KV cache is not a plain per-layer concatenation"
         expected = _body_hidden(body, ids, attn, pos)[:, plan.length - 1 : -1]
         keep = attn[:, plan.length :].bool()  # positions that predict a real token
-        err = _gap_beyond_tolerance(got[keep], expected[keep])
-        return None if err is None else f"shared-prefix forward differs from one by {err:.3g}"
+        for replay in (False, True):  # the caches of a plain and of a checkpointed model
+            got = _prefix_hidden(body, ids, attn, pos, small, replay)
+            if got is None:
+                return "shared-prefix forward: its KV cache is not a plain per-layer concatenation"
+            err = _gap_beyond_tolerance(got[keep], expected[keep])
+            if err is not None:
+                return f"shared-prefix forward differs from one by {err:.3g}"
+        return None
 
     return _verdict_once(_PREFIX_VERIFIED, model, "the shared-prefix forward failed", probe)
 
@@ -723,8 +786,6 @@ def _checkpointing(model) -> bool:
 def shared_prefix_status(model, input_ids, attention_mask, completion_mask) -> str | None:
     """None when `token_logprobs` (fused) runs this batch one forward per prompt, else why not.
     Call after a `token_logprobs` call on the same model (the first one verifies the model)."""
-    if _checkpointing(model):
-        return "gradient checkpointing drops the KV cache"
     if plan_shared_prefix(input_ids, attention_mask, completion_mask) is None:
         return "fewer than two rows per distinct prompt"
     return _PREFIX_VERIFIED.get(model, "not yet verified on this model")
@@ -856,13 +917,13 @@ def _fused(
     mask = completion_mask[:, 1:].float()  # [B, T-1]
     window = None  # final hidden states at positions [start, T-1), [B, T-1-start, H]
     plan = None
-    if shared_prefix and not _checkpointing(model):  # checkpointed layers drop the KV cache
+    if shared_prefix:
         plan = plan_shared_prefix(input_ids, attention_mask, completion_mask)
     if plan is not None:
         args = (split.body, input_ids, attention_mask, position_ids)
         reason = _verify_shared_prefix(model, *args, plan)
         if reason is None:
-            window = _prefix_hidden(*args, plan)
+            window = _prefix_hidden(*args, plan, replay=_checkpointing(model))
         else:
             _warn_once(model, reason, "one forward per prompt unavailable, one per row")
     if window is not None:
