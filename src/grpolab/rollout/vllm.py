@@ -220,10 +220,16 @@ class VLLMEngine:
         model_path: str | None = None,
         chat_template: bool = False,
         system_prompt: str | None = None,
+        episodes=None,
     ) -> VLLMEngine:
         """An engine that samples from `model`'s current weights: started from `model_path`
         (a directory or hub id with the same architecture) and synced, or, without one, from
         a copy of `model` saved to a temporary directory."""
+        if episodes is not None:
+            raise ValueError(
+                "rollout.tools / rollout.environment: multi-turn episodes run on "
+                "rollout.engine=hf; the vllm engine samples single-turn only"
+            )
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         kwargs = dict(
             dtype=dtype,
