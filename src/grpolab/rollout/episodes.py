@@ -315,7 +315,8 @@ def assemble_episodes(
         input_ids[i, P - len(prompt) : P] = torch.tensor(prompt)
         input_ids[i, P : P + len(stream)] = torch.tensor(stream)
         attention_mask[i, P - len(prompt) : P + len(stream)] = 1
-        mask = torch.tensor(fns.episode_mask(ep, len(stream)), dtype=torch.float32)
+        mask = list(fns.episode_mask(ep, len(stream)))[: len(stream)]
+        mask = torch.tensor(mask + [0.0] * (len(stream) - len(mask)), dtype=torch.float32)
         completion_mask[i, P : P + len(stream)] = mask.long()
         # entry t is the log-prob of input_ids[:, t+1]: stream token j sits at column P + j.
         n = min(len(stream), len(ep.logprobs))
@@ -354,3 +355,28 @@ def episode_metrics(rollout: Rollout) -> dict[str, float]:
         "episode/truncated_frac": float(rollout.truncated.float().mean()),
         "episode/tool_tokens": float(tool_tokens.sum()) / B,
     }
+
+
+class ProbeEnvironment:
+    """The preflight's episodes on any model: every character in `stop_strings` ends an
+    assistant turn, and the environment answers a turn with a tool turn when the turn's
+    last character's code is even (so the G samples of a group take different numbers of
+    turns), until the episode's turn limit. Real tokens, a real decode loop, real tool
+    turns: the layout the trainer must get right, without a model that already calls."""
+
+    stop_strings = tuple("0123456789 etaoinsr=+-*.,")
+
+    def __init__(self):
+        self.calls = 0
+
+    def reset(self, prompt: str) -> None:
+        self.calls = 0
+
+    def step(self, text: str) -> Observation:
+        if not text or ord(text[-1]) % 2:
+            return Observation(done=True)
+        self.calls += 1
+        return Observation(f"probe {self.calls}", called=True, name="probe")
+
+    def reward(self) -> float | None:
+        return None

@@ -31,6 +31,7 @@ from grpolab.rollout.common import (
     stop_token_ids,
 )
 from grpolab.rollout.episodes import (
+    Episode,
     EpisodeLimits,
     EpisodeRow,
     EpisodeSetup,
@@ -73,12 +74,7 @@ class HFEngine:
         G = num_generations
         prompt_ids = checked_prompt_ids(self, prompts, G, params)
         device = next(self.model.parameters()).device
-        P = max(len(p) for p in prompt_ids)
-        input_ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, ids in enumerate(prompt_ids):  # left padding: completions start at column P
-            input_ids[i, P - len(ids) :] = torch.tensor(ids)
-            attention_mask[i, P - len(ids) :] = 1
+        input_ids, attention_mask = left_padded(prompt_ids, self.pad_id)
 
         if self.episodes is not None:
             return self._generate_episodes(
@@ -107,8 +103,35 @@ class HFEngine:
         )
 
     def _generate_episodes(self, prompts, prompt_ids, input_ids, attention_mask, G, params):
+        episodes = self._decode_episodes(prompts, input_ids, attention_mask, G, params)
+        return assemble_episodes(
+            prompts,
+            prompt_ids,
+            episodes,
+            G,
+            self.pad_id,
+            self.tokenizer,
+            self.episodes.functions,
+        )
+
+    @torch.no_grad()
+    def sample_episodes(
+        self, prompts: list[str], num_generations: int, params: SamplingParams, factory=None
+    ) -> tuple[list[list[int]], list[Episode]]:
+        """The engine's own record of G episodes per prompt: (prompt token ids, one Episode
+        per sample: every token in the order fed, its log-prob, the turns). `factory`: an
+        environment class to run instead of the configured one (the preflight's probe)."""
+        prompt_ids = checked_prompt_ids(self, prompts, num_generations, params)
+        input_ids, attention_mask = left_padded(prompt_ids, self.pad_id)
+        episodes = self._decode_episodes(
+            prompts, input_ids, attention_mask, num_generations, params, factory
+        )
+        return prompt_ids, episodes
+
+    def _decode_episodes(self, prompts, input_ids, attention_mask, G, params, factory=None):
         device = next(self.model.parameters()).device
         setup = self.episodes
+        factory = factory or setup.factory
         limits = EpisodeLimits(
             max_turns=params.max_turns,
             max_turn_tokens=params.max_completion_length,
@@ -116,7 +139,7 @@ class HFEngine:
         )
         text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         rows = [
-            EpisodeRow(setup.factory(), p, limits, text, setup.render, self.stop_ids)
+            EpisodeRow(factory(), p, limits, text, setup.render, self.stop_ids)
             for p in prompts
             for _ in range(G)
         ]
@@ -132,15 +155,19 @@ class HFEngine:
                 may_stop,
                 shared_prefill=self.shared_prefill,
             )
-        return assemble_episodes(
-            prompts,
-            prompt_ids,
-            [r.episode for r in rows],
-            G,
-            self.pad_id,
-            self.tokenizer,
-            setup.functions,
-        )
+        return [r.episode for r in rows]
+
+
+def left_padded(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to a common length P (completions start at column P):
+    (input_ids [n, P], attention_mask [n, P])."""
+    P = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, ids in enumerate(prompt_ids):
+        input_ids[i, P - len(ids) :] = torch.tensor(ids)
+        attention_mask[i, P - len(ids) :] = 1
+    return input_ids, attention_mask
 
 
 def decode_episodes(
