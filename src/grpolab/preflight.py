@@ -89,7 +89,7 @@ def episode_results(run: Run, s: PreflightSettings) -> list[CheckResult]:
     G = cfg.trainer.num_generations
     examples = run.task.sample(max(2, PREFLIGHT_ROWS // G), seeds.preflight_prompts(cfg.seed))
     params = cfg.rollout.sampling(seed=seeds.preflight_sampling_seed(cfg.seed))
-    params.max_turns = max(params.max_turns, 2)  # room for a tool turn
+    params.max_turns = max(params.max_turns or 1, 2)  # room for a tool turn
     batch = probe_episodes(run.engine, [e.prompt for e in examples], G, params)
     return run_episode_checks(run.model, batch, s, run.functions, run.engine.episodes.functions)
 

@@ -128,8 +128,8 @@ class ToolWarmupConfig:
     # The first `copy_steps` rows all call the tool (the call format and copying the result
     # are learned first); then `tool_share` of them.
     tool_share: float = 0.2
-    copy_steps: int = 200
-    steps: int = 400
+    copy_steps: int = 600
+    steps: int = 800
     batch_size: int = 64
     learning_rate: float = 3e-3
     warmup_steps: int = 50

@@ -60,7 +60,14 @@ def episode_setup(cfg: RolloutConfig, tokenizer, chat_template: bool) -> Episode
         return None
     factory = environment_factory(cfg.tools, cfg.environment, cfg.tool_timeout)
     tools = load_tools(cfg.tools) if cfg.tools and not cfg.environment else []
-    return EpisodeSetup(factory, tokenizer, chat_template, tools)
+    return EpisodeSetup(
+        factory,
+        tokenizer,
+        chat_template,
+        tools,
+        max_turns=cfg.max_turns,
+        max_tokens=max(cfg.episode_budget(), cfg.max_completion_length),
+    )
 
 
 __all__ = [

@@ -18,7 +18,8 @@ class SamplingParams:
     seed: int = 0
     # Multi-turn episodes: assistant turns per episode, and every token after the prompt
     # (assistant and tool turns); max_completion_length is then per assistant turn.
-    max_turns: int = 1
+    # None: the engine's own (rollout.max_turns, rollout.max_episode_tokens).
+    max_turns: int | None = None
     max_episode_tokens: int | None = None
 
 

@@ -119,7 +119,7 @@ def checked_prompt_ids(
         tools = episodes.schemas or None
         if episodes.tool_description:  # a template without tool support: a system prompt
             system_prompt = "\n\n".join(filter(None, [system_prompt, episodes.tool_description]))
-        new_tokens = params.max_episode_tokens or new_tokens
+        new_tokens = params.max_episode_tokens or episodes.max_tokens
     return encode_prompts(
         engine.tokenizer,
         prompts,

@@ -150,10 +150,14 @@ class EpisodeSetup:
         chat_template: bool,
         tools: Sequence[Callable] = (),
         functions: EpisodeFunctions | None = None,
+        max_turns: int = 4,
+        max_tokens: int = 256,
     ):
         from grpolab.rollout.tools import describe_tools, tool_schema
 
         self.factory = factory
+        # The limits of a generate() whose SamplingParams leave them None (evaluation).
+        self.max_turns, self.max_tokens = max_turns, max_tokens
         self.render = ToolTurnRenderer(tokenizer, chat_template)
         self.functions = functions or EpisodeFunctions()
         self.schemas = [tool_schema(t) for t in tools]

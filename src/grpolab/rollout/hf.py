@@ -133,9 +133,9 @@ class HFEngine:
         setup = self.episodes
         factory = factory or setup.factory
         limits = EpisodeLimits(
-            max_turns=params.max_turns,
+            max_turns=params.max_turns or setup.max_turns,
             max_turn_tokens=params.max_completion_length,
-            max_tokens=params.max_episode_tokens or params.max_completion_length,
+            max_tokens=params.max_episode_tokens or setup.max_tokens,
         )
         text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         rows = [
