@@ -551,12 +551,6 @@ def validate(cfg: Config) -> None:
         f"an integer >= rollout.max_completion_length ({mcl}), or null",
     )
     _need(r.tool_timeout > 0, "rollout.tool_timeout", r.tool_timeout, "a number of seconds > 0")
-    _need(
-        not r.episodic or r.engine == "hf",
-        "rollout.engine",
-        r.engine,
-        "hf with rollout.tools / rollout.environment (multi-turn episodes)",
-    )
     try:  # what the individual checks above cannot see: the record as a whole
         cfg.objective  # noqa: B018
     except ValueError as e:
