@@ -530,6 +530,10 @@ def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, An
         "monitor/ratio_dev": stats.ratio_dev,
         "monitor/adv_group_sum": batch.adv_group_sum,
     }
+    if batch.rollout.turns is not None:  # right answers reached through a tool that worked
+        used = [any(t.role == "tool" and not t.error for t in ts) for ts in batch.rollout.turns]
+        right = batch.correct.cpu() & torch.tensor(used, dtype=torch.bool)
+        metrics["episode/correct_tool_use"] = float(right.float().mean())
     if stats.engine_gap is not None:
         metrics["monitor/engine_gap"] = stats.engine_gap
     if run.cfg.trainer.tis_cap is not None:
