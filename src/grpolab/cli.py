@@ -82,7 +82,12 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         functions = chosen_functions(cfg, args.impl)
-        results = preflight(cfg, functions)
+        episode_functions = None
+        if args.impl:  # a file may also define episode functions (rollout.tools runs)
+            from grpolab.functions import load_episode_impl
+
+            episode_functions = load_episode_impl(args.impl)
+        results = preflight(cfg, functions, episode_functions)
     except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
         print(f"grpolab preflight: error: {one_line(str(e))}", file=sys.stderr)
         return 2

@@ -422,13 +422,19 @@ def run_preflight(run: Run) -> list[CheckResult]:
     return results
 
 
-def preflight(cfg: Config, functions: CoreFunctions | None = None) -> list[CheckResult]:
+def preflight(
+    cfg: Config, functions: CoreFunctions | None = None, episode_functions=None
+) -> list[CheckResult]:
     """`grpolab preflight`: build the configured run (model, engine, task, rewards) and run
-    every check on it. `functions`: the table to check (default: the trainer's)."""
+    every check on it. `functions`: the table to check (default: the trainer's);
+    `episode_functions`: the episode functions to check (a run with tools)."""
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
-    return run_preflight(build_run(cfg, model, tokenizer, functions=functions))
+    run = build_run(cfg, model, tokenizer, functions=functions)
+    if episode_functions is not None and getattr(run.engine, "episodes", None) is not None:
+        run.engine.episodes.functions = episode_functions
+    return run_preflight(run)
 
 
 # --- Showing the results ------------------------------------------------------------------------

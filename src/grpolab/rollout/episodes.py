@@ -227,8 +227,9 @@ class EpisodeRow:
         return sampled
 
     def _stopped(self) -> bool:
+        stops = tuple(getattr(self.env, "stop_strings", ()) or ())  # may change mid-episode
         text = self.decode(self.episode.tokens[self.turn_start :])
-        return any(s in text for s in self.stop_strings)
+        return any(s in text for s in stops)
 
     def _close_assistant(self) -> None:
         ids = self.episode.tokens[self.turn_start :]
@@ -365,21 +366,28 @@ class ProbeEnvironment:
     """The preflight's episodes on any model: every character in `stop_strings` ends an
     assistant turn, and the environment answers a turn with a tool turn when the turn's
     last character's code is even (so the G samples of a group take different numbers of
-    turns), until the episode's turn limit. Real tokens, a real decode loop, real tool
-    turns: the layout the trainer must get right, without a model that already calls."""
+    turns); after `max_calls` answers the stop strings are dropped and the last turn runs to
+    EOS or its limit (a special token in the stream, which a re-tokenised conversation
+    loses). Real tokens, a real decode loop, real tool turns: the layout the trainer must
+    get right, without a model that already calls a tool."""
 
-    stop_strings = tuple("0123456789 etaoinsr=+-*.,")
+    STOPS = tuple("0123456789 etaoinsr=+-*.,")
+    max_calls = 1  # the second assistant turn is the last: fits any rollout.max_turns >= 2
 
     def __init__(self):
         self.calls = 0
+        self.stop_strings = self.STOPS
 
     def reset(self, prompt: str) -> None:
         self.calls = 0
+        self.stop_strings = self.STOPS
 
     def step(self, text: str) -> Observation:
-        if not text or ord(text[-1]) % 2:
+        if not text or ord(text[-1]) % 2 or self.calls >= self.max_calls:
             return Observation(done=True)
         self.calls += 1
+        if self.calls == self.max_calls:
+            self.stop_strings = ()
         return Observation(f"probe {self.calls}", called=True, name="probe")
 
     def reward(self) -> float | None:
