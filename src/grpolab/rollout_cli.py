@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from grpolab.jsonout import json_stdout, print_json
@@ -140,7 +141,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
 def _turns_text(turns: list[dict[str, Any]]) -> str:
     """An episode's turns, one line each: the model's as written, a tool's marked."""
     return "\n".join(
-        t["text"] if t["trained"] else f"[{t['name'] or 'tool'} -> {t['text']}]" for t in turns
+        escape(t["text"] if t["trained"] else f"[{t['name'] or 'tool'} -> {t['text']}]")
+        for t in turns
     )
 
 
