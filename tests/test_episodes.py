@@ -283,3 +283,42 @@ def test_each_episode_mutant_fails_its_named_check(model, probe_batch, mutant):
     named = results[EPISODE_CAUGHT_BY[mutant]]
     assert not named.passed, named
     assert named.hint
+
+
+def test_the_tool_warmup_rows_mask_the_tool_turn_as_training_does():
+    from grpolab.rollout.episodes import ToolTurnRenderer
+    from grpolab.tasks.arithmetic import make_example
+    from grpolab.warmup import TOOL_CHARS, tool_sft_rows
+
+    tok = build_char_tokenizer(TOOL_CHARS)
+    example = make_example(123, "*", 456)
+    ids, labels = tool_sft_rows(tok, [example], 1.0, torch.Generator().manual_seed(0))
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    call = enc("<tool_call>calculator(123*456)</tool_call>")
+    tool = ToolTurnRenderer(tok, chat_template=False)("56088")
+    answer = [*enc("56088"), tok.eos_token_id]
+    assert ids[0].tolist() == enc("123*456=") + call + tool + answer
+    assert labels[0].tolist() == [-100] * 8 + call + [-100] * len(tool) + answer
+
+
+def test_bad_tool_config_is_a_one_line_error(tmp_path):
+    from grpolab.config import ConfigError, load_config
+    from grpolab.rollout import RolloutConfig, episode_setup
+
+    with pytest.raises(ConfigError, match=r"rollout\.max_turns"):
+        load_config(None, ["rollout.max_turns=0"])
+    with pytest.raises(ConfigError, match=r"rollout\.max_episode_tokens"):
+        load_config(None, ["rollout.max_episode_tokens=2"])
+    tok = build_char_tokenizer()
+    for ref, message in [
+        ("no_colon", "expected 'package.module:function'"),
+        (f"{tmp_path}/missing.py:f", "does not exist"),
+        ("grpolab.core:no_such_tool", "has no callable 'no_such_tool'"),
+    ]:
+        with pytest.raises(ValueError, match=message) as err:
+            episode_setup(RolloutConfig(tools=[ref]), tok, False)
+        assert "rollout.tools" in str(err.value) and "\n" not in str(err.value)
+    untyped = tmp_path / "untyped.py"
+    untyped.write_text("def f(x):\n    return x\n")
+    with pytest.raises(ValueError, match="type hints"):
+        episode_setup(RolloutConfig(tools=[f"{untyped}:f"]), tok, False)
