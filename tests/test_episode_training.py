@@ -59,3 +59,30 @@ def test_rollout_json_shows_the_turns(capsys):
             assert isinstance(turn["text"], str)
         assert s["completion"] == [t for t in s["turns"] if t["trained"]][-1]["text"]
     assert "episode/tool_calls" in report["metrics"]
+
+
+def test_the_example_model_calls_the_calculator_with_the_exact_layout():
+    import torch
+
+    from grpolab.setup import load_start_model, task_engine
+
+    cfg = load_config(str(EXAMPLE), [CALCULATOR])
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    engine = task_engine(cfg, model, tokenizer)
+    params = cfg.rollout.sampling(seed=0)
+    params.temperature = 0.0
+    r = engine.generate(["616*927="], 1, params)  # greedy: this one calls the tool
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    call = enc("<tool_call>calculator(616*927)</tool_call>")
+    tool = enc("<tool_response>571032</tool_response>")
+    answer = [*enc("571032"), tokenizer.eos_token_id]
+    P = r.prompt_length
+    assert r.input_ids[0, P:].tolist() == call + tool + answer
+    assert r.completion_mask[0, P:].tolist() == [1] * len(call) + [0] * len(tool) + [1] * 7
+    assert [(t.role, t.end - t.start) for t in r.turns[0]] == [
+        ("assistant", len(call)),
+        ("tool", len(tool)),
+        ("assistant", 7),
+    ]
+    assert r.turns[0][1].text == "571032" and not r.turns[0][1].error
+    assert r.completions == ["571032"] and not r.truncated[0]

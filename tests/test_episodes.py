@@ -322,3 +322,15 @@ def test_bad_tool_config_is_a_one_line_error(tmp_path):
     untyped.write_text("def f(x):\n    return x\n")
     with pytest.raises(ValueError, match="type hints"):
         episode_setup(RolloutConfig(tools=[f"{untyped}:f"]), tok, False)
+
+
+def test_the_environment_reward_is_added_to_the_rewards(model, tokenizer):
+    from grpolab.rewards import score
+    from grpolab.tasks.base import Example
+
+    r = engine_for(model, tokenizer, TwoTurns).generate(["5+5="], 4, params())
+    result = score(r, [Example("5+5=", "10")], ["accuracy"])
+    expected = torch.tensor([2.0 if len(t) == 3 else 1.0 for t in r.turns])
+    assert torch.equal(result.per_function["environment"], expected)
+    assert torch.equal(result.total, expected + result.per_function["accuracy"])
+    assert result.metrics["episode/tool_calls"] == sum(len(t) == 3 for t in r.turns) / 4
