@@ -364,9 +364,9 @@ def episode_metrics(rollout: Rollout) -> dict[str, float]:
 
 class ProbeEnvironment:
     """The preflight's episodes on any model: every character in `stop_strings` ends an
-    assistant turn, and the environment answers a turn with a tool turn when the turn's
-    last character's code is even (so the G samples of a group take different numbers of
-    turns); after `max_calls` answers the stop strings are dropped and the last turn runs to
+    assistant turn, and the environment answers a turn with a tool turn unless the turn's
+    last character's code is a multiple of 3 (so the G samples of a group take different
+    numbers of turns); after `max_calls` answers the stop strings are dropped and the last turn runs to
     EOS or its limit (a special token in the stream, which a re-tokenised conversation
     loses). Real tokens, a real decode loop, real tool turns: the layout the trainer must
     get right, without a model that already calls a tool."""
@@ -383,7 +383,7 @@ class ProbeEnvironment:
         self.stop_strings = self.STOPS
 
     def step(self, text: str) -> Observation:
-        if not text or ord(text[-1]) % 2 or self.calls >= self.max_calls:
+        if not text or ord(text[-1]) % 3 == 0 or self.calls >= self.max_calls:
             return Observation(done=True)
         self.calls += 1
         if self.calls == self.max_calls:
