@@ -334,3 +334,17 @@ def test_the_environment_reward_is_added_to_the_rewards(model, tokenizer):
     assert torch.equal(result.per_function["environment"], expected)
     assert torch.equal(result.total, expected + result.per_function["accuracy"])
     assert result.metrics["episode/tool_calls"] == sum(len(t) == 3 for t in r.turns) / 4
+
+
+def test_an_environment_class_from_the_config_runs_the_episodes(model, tokenizer, tmp_path):
+    from grpolab.rollout import RolloutConfig, episode_setup
+
+    cfg = RolloutConfig(environment="grpolab.rollout.episodes:ProbeEnvironment", max_turns=3)
+    setup = episode_setup(cfg, tokenizer, False)
+    assert setup.factory is ProbeEnvironment and setup.max_turns == 3
+    r = HFEngine(model, tokenizer, episodes=setup).generate(["5+5="], 8, params())
+    assert max(len(t) for t in r.turns) > 1
+    broken = tmp_path / "env.py"
+    broken.write_text("class Env:\n    def reset(self, prompt):\n        pass\n")
+    with pytest.raises(ValueError, match="no step"):
+        episode_setup(RolloutConfig(environment=f"{broken}:Env"), tokenizer, False)

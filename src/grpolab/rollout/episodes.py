@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 import torch
 
 from grpolab.rollout.base import Rollout, Turn
-from grpolab.rollout.tools import RESULT_CLOSE, RESULT_OPEN, Environment, Observation
+from grpolab.rollout.tools import (
+    RESULT_CLOSE,
+    RESULT_OPEN,
+    Environment,
+    Observation,
+    describe_tools,
+    tool_schema,
+)
 
 
 @dataclass
@@ -153,8 +160,6 @@ class EpisodeSetup:
         max_turns: int = 4,
         max_tokens: int = 256,
     ):
-        from grpolab.rollout.tools import describe_tools, tool_schema
-
         self.factory = factory
         # The limits of a generate() whose SamplingParams leave them None (evaluation).
         self.max_turns, self.max_tokens = max_turns, max_tokens
@@ -366,10 +371,10 @@ class ProbeEnvironment:
     """The preflight's episodes on any model: every character in `stop_strings` ends an
     assistant turn, and the environment answers a turn with a tool turn unless the turn's
     last character's code is a multiple of 3 (so the G samples of a group take different
-    numbers of turns); after `max_calls` answers the stop strings are dropped and the last turn runs to
-    EOS or its limit (a special token in the stream, which a re-tokenised conversation
-    loses). Real tokens, a real decode loop, real tool turns: the layout the trainer must
-    get right, without a model that already calls a tool."""
+    numbers of turns); after `max_calls` answers the stop strings are dropped and the last
+    turn runs to EOS or its limit (a special token in the stream, which a re-tokenised
+    conversation loses). Real tokens, a real decode loop, real tool turns: the layout the
+    trainer must get right, without a model that already calls a tool."""
 
     STOPS = tuple("0123456789 etaoinsr=+-*.,")
     max_calls = 1  # the second assistant turn is the last: fits any rollout.max_turns >= 2
