@@ -172,7 +172,7 @@ def hang(expression: str) -> str:
     """
     import time
 
-    time.sleep(3)
+    time.sleep(20)
     return "late"
 
 
@@ -227,7 +227,7 @@ def test_tools_that_raise_hang_or_return_no_text_are_counted_and_the_episode_goe
     engine = engine_for(model, tokenizer, CallsEachTool)
     tic = time.time()
     r = engine.generate(["6*7="], 2, params(turns=6, budget=400, turn=4))
-    assert time.time() - tic < 2.5  # the hanging tool was not waited for
+    assert time.time() - tic < 10  # the hanging tool (20 s) was not waited for
     for turns in r.turns:
         tools = [t for t in turns if t.role == "tool"]
         if len(tools) == 5:
