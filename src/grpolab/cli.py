@@ -82,7 +82,12 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         functions = chosen_functions(cfg, args.impl)
-        results = preflight(cfg, functions)
+        episode_functions = None
+        if args.impl:  # a file may also define episode functions (rollout.tools runs)
+            from grpolab.functions import load_episode_impl
+
+            episode_functions = load_episode_impl(args.impl)
+        results = preflight(cfg, functions, episode_functions)
     except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
         print(f"grpolab preflight: error: {one_line(str(e))}", file=sys.stderr)
         return 2
@@ -121,9 +126,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    from grpolab.warmup import WarmupConfig, warmup
+    from grpolab.warmup import ToolWarmupConfig, WarmupConfig, tool_warmup, warmup
 
-    warmup(args.output, WarmupConfig(steps=args.steps, seed=args.seed))
+    if args.task == "tool-calculator":
+        output = args.output or "src/grpolab/data/tool-warmup"
+        tool_warmup(output, ToolWarmupConfig(steps=args.steps or 800, seed=args.seed))
+        return 0
+    output = args.output or "src/grpolab/data/demo-warmup"
+    warmup(output, WarmupConfig(steps=args.steps or 120, seed=args.seed))
     return 0
 
 
@@ -181,9 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dir")
     rep.set_defaults(func=cmd_report)
 
-    wu = sub.add_parser("warmup", help="regenerate the demo's warm-up model (supervised)")
-    wu.add_argument("--output", default="src/grpolab/data/demo-warmup")
-    wu.add_argument("--steps", type=int, default=120)
+    wu = sub.add_parser("warmup", help="regenerate a shipped warm-up model (supervised)")
+    wu.add_argument(
+        "--task",
+        choices=["arithmetic", "tool-calculator"],
+        default="arithmetic",
+        help="the demo's model, or the tool example's (examples/tool-calculator.yaml)",
+    )
+    wu.add_argument("--output", default=None, help="default: the package's data directory")
+    wu.add_argument("--steps", type=int, default=None, help="default: 120 / 800")
     wu.add_argument("--seed", type=int, default=0)
     wu.set_defaults(func=cmd_warmup)
 

@@ -206,7 +206,8 @@ class Config:
             epsilon_high=t.epsilon_high,
             beta=t.beta,
             loss_type=t.loss_type,
-            max_completion_length=self.rollout.max_completion_length,
+            # constant's L: single-turn max_completion_length, an episode's token budget
+            max_completion_length=self.rollout.episode_budget(),
             temperature=self.rollout.temperature,
             num_iterations=t.num_iterations,
             logprob_source=t.logprob_source,
@@ -541,6 +542,15 @@ def validate(cfg: Config) -> None:
     _need(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0")
     mcl = r.max_completion_length
     _need(mcl >= 1, "rollout.max_completion_length", mcl, "an integer >= 1")
+    _need(r.max_turns >= 1, "rollout.max_turns", r.max_turns, "an integer >= 1")
+    budget = r.max_episode_tokens
+    _need(
+        budget is None or budget >= mcl,
+        "rollout.max_episode_tokens",
+        budget,
+        f"an integer >= rollout.max_completion_length ({mcl}), or null",
+    )
+    _need(r.tool_timeout > 0, "rollout.tool_timeout", r.tool_timeout, "a number of seconds > 0")
     try:  # what the individual checks above cannot see: the record as a whole
         cfg.objective  # noqa: B018
     except ValueError as e:

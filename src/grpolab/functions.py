@@ -16,6 +16,7 @@ from pathlib import Path
 
 from grpolab.core import CORE_FUNCTIONS, MENU_FUNCTIONS, CoreFunctions
 from grpolab.logprobs import token_logprobs
+from grpolab.rollout.episodes import EPISODE_FUNCTIONS, EpisodeFunctions
 
 # "core" is the old name of the naive path: the same code.
 LOGPROB_PATHS = ("fused", "naive", "core")
@@ -91,6 +92,29 @@ def load_impl(path: str | Path) -> CoreFunctions:
             impl.source[fn] = str(path)
     sys.modules.pop(name, None)
     return impl
+
+
+def load_episode_impl(path: str | Path) -> EpisodeFunctions:
+    """The episode functions a Python file defines (`EPISODE_FUNCTIONS`: the trained token
+    stream, the loss mask, the text the rewards read, the normaliser's mask); the others
+    are grpolab's."""
+    path = Path(path)
+    if not path.is_file():
+        raise ImplLoadError(f"--impl {str(path)!r}: no such file")
+    name = f"grpolab_episode_impl_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        line = impl_error_line(err, path)
+        raise ImplLoadError(f"{path}:{line}: {type(err).__name__}: {err}", line=line) from None
+    fns = EpisodeFunctions()
+    for fn in EPISODE_FUNCTIONS:
+        if callable(getattr(module, fn, None)):
+            setattr(fns, fn, getattr(module, fn))
+            fns.source[fn] = str(path)
+    return fns
 
 
 def impl_error_line(err: BaseException, path: str | Path) -> int | None:

@@ -29,6 +29,7 @@ from grpolab import checks, core, seeds
 from grpolab.checks import CheckResult, PreflightBatch, PreflightSettings
 from grpolab.config import Config
 from grpolab.core import CoreFunctions
+from grpolab.episode_checks import probe_episodes, run_episode_checks
 from grpolab.memory import (
     MB,
     MemoryBreakdown,
@@ -80,6 +81,17 @@ def sample_batch(run: Run) -> tuple[PreflightBatch, list[str]]:
         None if rollout.engine_logprobs is None else rollout.engine_logprobs.to(device),
     )
     return batch, rollout.completions
+
+
+def episode_results(run: Run, s: PreflightSettings) -> list[CheckResult]:
+    """The episode checks on probe episodes of the configured engine and tool turns."""
+    cfg = run.cfg
+    G = cfg.trainer.num_generations
+    examples = run.task.sample(max(2, PREFLIGHT_ROWS // G), seeds.preflight_prompts(cfg.seed))
+    params = cfg.rollout.sampling(seed=seeds.preflight_sampling_seed(cfg.seed))
+    params.max_turns = max(params.max_turns or 1, 2)  # room for a tool turn
+    batch = probe_episodes(run.engine, [e.prompt for e in examples], G, params)
+    return run_episode_checks(run.model, batch, s, run.functions, run.engine.episodes.functions)
 
 
 # --- Against a float64 copy of the model -------------------------------------------------------
@@ -279,7 +291,7 @@ def check_worst_case_memory(impl: CoreFunctions, run: Run, cfg: Config, prompt_t
     model = run.model
     G = t.num_generations
     rows = run.plan.micro
-    L = cfg.rollout.max_completion_length
+    L = cfg.rollout.episode_budget()  # an episode: every token after the prompt
     T = prompt_tokens + L
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -384,6 +396,8 @@ def run_preflight(run: Run) -> list[CheckResult]:
     s = settings_from_config(cfg)
     batch, _ = sample_batch(run)
     results = checks.run_checks(model, batch, s, functions)
+    if getattr(run.engine, "episodes", None) is not None:
+        results += episode_results(run, s)
     report = run_probes(probe_rows(run.task), run.rewards, run.tokenizer)
     results += list(checks.check_reward_probes(report))
     with eval_mode(model, zero_grad=True):
@@ -408,13 +422,19 @@ def run_preflight(run: Run) -> list[CheckResult]:
     return results
 
 
-def preflight(cfg: Config, functions: CoreFunctions | None = None) -> list[CheckResult]:
+def preflight(
+    cfg: Config, functions: CoreFunctions | None = None, episode_functions=None
+) -> list[CheckResult]:
     """`grpolab preflight`: build the configured run (model, engine, task, rewards) and run
-    every check on it. `functions`: the table to check (default: the trainer's)."""
+    every check on it. `functions`: the table to check (default: the trainer's);
+    `episode_functions`: the episode functions to check (a run with tools)."""
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
-    return run_preflight(build_run(cfg, model, tokenizer, functions=functions))
+    run = build_run(cfg, model, tokenizer, functions=functions)
+    if episode_functions is not None and getattr(run.engine, "episodes", None) is not None:
+        run.engine.episodes.functions = episode_functions
+    return run_preflight(run)
 
 
 # --- Showing the results ------------------------------------------------------------------------

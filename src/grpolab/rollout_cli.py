@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from grpolab.jsonout import json_stdout, print_json
@@ -88,6 +89,7 @@ def run_rollout(
                 "rewards": {k: _finite(v[i].item()) for k, v in result.per_function.items()},
                 "truncated": bool(rollout.truncated[i]),
                 "length": int(lengths[i]),
+                **({} if rollout.turns is None else {"turns": turn_json(rollout, i)}),
             }
         )
     return {
@@ -97,6 +99,18 @@ def run_rollout(
         "samples": samples,
         "metrics": {k: _finite(v) for k, v in result.metrics.items()},
     }
+
+
+def turn_json(rollout, i: int) -> list[dict[str, Any]]:
+    """Sample i's turns: role (assistant / tool), text, trained (true only for the model's
+    own tokens), tokens; a tool turn names its tool and whether the call failed."""
+    out = []
+    for t in rollout.turns[i]:
+        turn = {"role": t.role, "text": t.text, "trained": t.trained, "tokens": t.end - t.start}
+        if t.role == "tool":
+            turn |= {"name": t.name, "error": t.error}
+        out.append(turn)
+    return out
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
@@ -112,7 +126,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         table.add_row(
             str(s["group"]),
             s["prompt"],
-            s["completion"],
+            _turns_text(s["turns"]) if "turns" in s else s["completion"],
             s["answer"],
             _fmt(s["reward"]),
             *(_fmt(s["rewards"][n]) for n in names),
@@ -122,6 +136,14 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     console.print(table)
     shown = ", ".join(f"{k}={_fmt(v)}" for k, v in report["metrics"].items())
     console.print(shown)
+
+
+def _turns_text(turns: list[dict[str, Any]]) -> str:
+    """An episode's turns, one line each: the model's as written, a tool's marked."""
+    return "\n".join(
+        escape(t["text"] if t["trained"] else f"[{t['name'] or 'tool'} -> {t['text']}]")
+        for t in turns
+    )
 
 
 def _finite(x: float) -> float | None:

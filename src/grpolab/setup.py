@@ -28,6 +28,8 @@ from grpolab.rollout import build_engine
 from grpolab.tasks import Task, load_task
 
 DEMO_MODEL_DIR = Path(__file__).parent / "data" / "demo-warmup"
+# Warm-started tiny models shipped in the package, by the name a config gives them.
+SHIPPED_MODELS = {"tool-warmup": Path(__file__).parent / "data" / "tool-warmup"}
 
 
 # --- The batch plan ---------------------------------------------------------------------------
@@ -109,6 +111,8 @@ def model_source(cfg: Config) -> str:
             )
         return str(DEMO_MODEL_DIR)
     source = m.name_or_path
+    if source in SHIPPED_MODELS and not Path(source).exists():
+        return str(SHIPPED_MODELS[source])
     if not Path(source).expanduser().exists() and (
         source.startswith((".", "/", "~")) or source.count("/") > 1  # a hub id is "org/name"
     ):

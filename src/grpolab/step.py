@@ -50,6 +50,9 @@ class StepBatch:
     # [B] 1 for rows in the loss, 0 for rows out of it (truncated completions under
     # mask_truncated_completions, dynamic sampling's fill); None: every row.
     loss_rows: torch.Tensor | None = None
+    # [B, T] the tokens a token-mode normaliser counts (episodes: the model's own, from the
+    # engine's episode functions); None: completion_mask (single-turn).
+    normaliser_mask: torch.Tensor | None = None
     logp_old: torch.Tensor | None = None  # [B, T-1]; None: the loss forward's own (on-policy)
     logp_ref: torch.Tensor | None = None  # [B, T-1] when beta > 0
     timings: dict[str, float] = field(default_factory=dict)
@@ -79,9 +82,19 @@ class StepBatch:
                 "answer": answers[i],
                 "reward": float(self.rewards[i]),
                 "advantage": float(self.advantages[i]),
+                **({} if self.rollout.turns is None else {"turns": turn_records(self, i)}),
             }
             for i in range(0, min(n * stride, len(prompts)), stride)
         ]
+
+
+def turn_records(batch: StepBatch, i: int) -> list[dict[str, Any]]:
+    """Sample i's turns for completions.jsonl: role, text, trained, tokens (and the tool)."""
+    return [
+        {"role": t.role, "text": t.text, "trained": t.trained, "tokens": t.end - t.start}
+        | ({"name": t.name, "error": t.error} if t.role == "tool" else {})
+        for t in batch.rollout.turns[i]
+    ]
 
 
 @dataclass
@@ -168,9 +181,19 @@ def collect(run: Run, step: int) -> StepBatch:
             None if rollout.engine_logprobs is None else rollout.engine_logprobs.to(dev)
         ),
         loss_rows=None if loss_rows is None else loss_rows.to(dev),
+        normaliser_mask=episode_normaliser_mask(run, rollout),
         timings=timings,
         sampling=counts,
     )
+
+
+def episode_normaliser_mask(run: Run, rollout: Rollout) -> torch.Tensor | None:
+    """[B, T] on the run's device: the tokens the engine's episode functions say a token-mode
+    loss is normalised by; None for single-turn rollouts (the loss mask itself)."""
+    episodes = getattr(run.engine, "episodes", None)
+    if rollout.turns is None or episodes is None:
+        return None
+    return episodes.functions.normaliser_mask(rollout).to(run.device)
 
 
 def sample_and_score(
@@ -355,7 +378,8 @@ def optimizer_step(
     weights or the optimizer moments, and the step counts as skipped)."""
     cfg, d, plan = run.cfg, run.dist, run.plan
     params = [p for p in run.model.parameters() if p.requires_grad]
-    minibatch_mask = batch.completion_mask[rows, 1:]  # [mini, T-1]
+    counted = batch.completion_mask if batch.normaliser_mask is None else batch.normaliser_mask
+    minibatch_mask = counted[rows, 1:]  # [mini, T-1]
     if batch.loss_rows is not None:  # rows out of the loss are out of its normaliser
         minibatch_mask = minibatch_mask * batch.loss_rows[rows, None]
     # The normaliser is global: the same count on every rank, so the ranks' summed gradients
@@ -506,6 +530,10 @@ def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, An
         "monitor/ratio_dev": stats.ratio_dev,
         "monitor/adv_group_sum": batch.adv_group_sum,
     }
+    if batch.rollout.turns is not None:  # right answers reached through a tool that worked
+        used = [any(t.role == "tool" and not t.error for t in ts) for ts in batch.rollout.turns]
+        right = batch.correct.cpu() & torch.tensor(used, dtype=torch.bool)
+        metrics["episode/correct_tool_use"] = float(right.float().mean())
     if stats.engine_gap is not None:
         metrics["monitor/engine_gap"] = stats.engine_gap
     if run.cfg.trainer.tis_cap is not None:

@@ -36,6 +36,7 @@ from grpolab.rewards.functions import (
     resolve_function,
 )
 from grpolab.rollout.base import Rollout
+from grpolab.rollout.episodes import episode_metrics
 from grpolab.tasks.base import Example, TaskConfig
 
 
@@ -211,6 +212,8 @@ def score(
         metrics[f"reward_errors/{fn.name}"] = float(n_errors)
         if valid.numel() < B:
             metrics[f"rewards/{fn.name}/none_frac"] = 1 - valid.numel() / B
+    if rollout is not None and rollout.episode_rewards is not None:
+        total += _environment_reward(rollout.episode_rewards, per_function, metrics)
     metrics["reward/mean"] = total.mean().item()
     metrics["reward/std"] = total.std(unbiased=False).item()
     group_std = total.view(-1, G).std(dim=1, unbiased=False)
@@ -221,7 +224,22 @@ def score(
         metrics["completion_length/mean"] = lengths.mean().item()
         metrics["completion_length/max"] = lengths.max().item()
         metrics["completion_length/min"] = lengths.min().item()
+        metrics |= episode_metrics(rollout)
     return RewardResult(total=total, per_function=per_function, errors=errors, metrics=metrics)
+
+
+def _environment_reward(
+    values: Sequence[float | None], per_function: dict, metrics: dict
+) -> torch.Tensor:
+    """The environment's reward at the end of each episode (rollout.environment), added to
+    the total as the function "environment"; 0 where it gives none."""
+    if all(v is None for v in values):
+        return torch.zeros(len(values))
+    t = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
+    per_function["environment"] = t
+    valid = t[~t.isnan()]
+    metrics["rewards/environment/mean"] = valid.mean().item() if valid.numel() else 0.0
+    return torch.nan_to_num(t, nan=0.0)
 
 
 def _group_size(group_ids: torch.Tensor) -> int:

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from grpolab.rollout.base import ENGINES, Rollout, RolloutConfig, RolloutEngine, SamplingParams
+from grpolab.rollout.base import (
+    ENGINES,
+    Rollout,
+    RolloutConfig,
+    RolloutEngine,
+    SamplingParams,
+    Turn,
+)
+from grpolab.rollout.episodes import EpisodeFunctions, EpisodeSetup
+from grpolab.rollout.tools import environment_factory, load_tools
 
 
 def build_engine(
@@ -18,6 +27,7 @@ def build_engine(
     """The engine `cfg.engine` names. "hf" samples with `model` itself; "vllm" starts an
     engine from `model_path` (a Hugging Face directory; the trainer's model is saved to one
     when None) and is kept in sync through `engine.sync_weights(model)`."""
+    episodes = episode_setup(cfg, tokenizer, chat_template)
     if cfg.engine == "hf":
         from grpolab.rollout.hf import HFEngine
 
@@ -27,6 +37,7 @@ def build_engine(
             chat_template=chat_template,
             system_prompt=system_prompt,
             shared_prefill=cfg.shared_prefill,
+            episodes=episodes,
         )
     if cfg.engine == "vllm":
         from grpolab.rollout.vllm import VLLMEngine
@@ -38,8 +49,36 @@ def build_engine(
             model_path=model_path,
             chat_template=chat_template,
             system_prompt=system_prompt,
+            episodes=episodes,
         )
     raise ValueError(f"rollout.engine={cfg.engine!r} is not one of {list(ENGINES)}")
 
 
-__all__ = ["ENGINES", "Rollout", "RolloutConfig", "RolloutEngine", "SamplingParams", "build_engine"]
+def episode_setup(cfg: RolloutConfig, tokenizer, chat_template: bool) -> EpisodeSetup | None:
+    """Multi-turn episodes of `rollout.tools` / `rollout.environment`, or None (single-turn)."""
+    if not cfg.episodic:
+        return None
+    factory = environment_factory(cfg.tools, cfg.environment, cfg.tool_timeout)
+    tools = load_tools(cfg.tools) if cfg.tools and not cfg.environment else []
+    return EpisodeSetup(
+        factory,
+        tokenizer,
+        chat_template,
+        tools,
+        max_turns=cfg.max_turns,
+        max_tokens=max(cfg.episode_budget(), cfg.max_completion_length),
+    )
+
+
+__all__ = [
+    "ENGINES",
+    "EpisodeFunctions",
+    "EpisodeSetup",
+    "Rollout",
+    "RolloutConfig",
+    "RolloutEngine",
+    "SamplingParams",
+    "Turn",
+    "build_engine",
+    "episode_setup",
+]

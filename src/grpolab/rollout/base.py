@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -16,6 +16,28 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     max_completion_length: int = 32
     seed: int = 0
+    # Multi-turn episodes: assistant turns per episode, and every token after the prompt
+    # (assistant and tool turns); max_completion_length is then per assistant turn.
+    # None: the engine's own (rollout.max_turns, rollout.max_episode_tokens).
+    max_turns: int | None = None
+    max_episode_tokens: int | None = None
+
+
+@dataclass
+class Turn:
+    """One turn of a multi-turn episode: tokens [start, end) counted from the completion's
+    first column (P), and their text."""
+
+    role: str  # "assistant" (sampled, trained) | "tool" (context, zero gradient)
+    start: int
+    end: int
+    text: str  # assistant: the decoded turn; tool: the tool's result as returned
+    name: str | None = None  # tool turns: the tool called
+    error: bool = False  # tool turns: the call failed (raised, timed out, non-text, unknown)
+
+    @property
+    def trained(self) -> bool:
+        return self.role == "assistant"
 
 
 @dataclass
@@ -37,6 +59,10 @@ class Rollout:
     # The engine's own log-probs of the sampled tokens, aligned like sequence_logprobs:
     # [B, T-1], entry t is the log-prob of input_ids[:, t+1]; 0 where completion_mask[:, 1:] is 0.
     engine_logprobs: torch.Tensor | None = None
+    # Multi-turn episodes (rollout.tools / rollout.environment): each sample's turns, and
+    # the environment's reward at the end (None where it gives none). None: single-turn.
+    turns: list[list[Turn]] | None = None
+    episode_rewards: list[float | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -54,6 +80,8 @@ class Rollout:
             completions=self.completions[rows],
             truncated=self.truncated[rows],
             engine_logprobs=None if self.engine_logprobs is None else self.engine_logprobs[rows],
+            turns=None if self.turns is None else self.turns[rows],
+            episode_rewards=None if self.episode_rewards is None else self.episode_rewards[rows],
         )
 
 
@@ -89,6 +117,28 @@ class RolloutConfig:
     # After every weight sync a canary sequence's log-probs from engine and trainer are
     # compared; a larger max gap is an error. None: 1e-3 in float32, 0.1 in 16-bit; 0: off.
     vllm_sync_tolerance: float | None = None
+    # Multi-turn episodes. Tools: plain functions with type hints and a docstring, as
+    # "package.module:function" or "path/file.py:function"; or an environment class
+    # (reset / step / reward) for stateful episodes. Without either: single-turn.
+    tools: list[str] = field(default_factory=list)
+    environment: str | None = None
+    max_turns: int = 4  # assistant turns per episode (each at most max_completion_length)
+    # Every token after the prompt, assistant and tool turns together; None: max_turns x
+    # max_completion_length x 2 (room for a tool turn as long as each assistant turn).
+    max_episode_tokens: int | None = None
+    tool_timeout: float = 10.0  # seconds per tool call; past it the call is a tool error
+
+    @property
+    def episodic(self) -> bool:
+        return bool(self.tools) or bool(self.environment)
+
+    def episode_budget(self) -> int:
+        """Every token after the prompt an episode may hold (single-turn: one completion)."""
+        if not self.episodic:
+            return self.max_completion_length
+        if self.max_episode_tokens is not None:
+            return self.max_episode_tokens
+        return self.max_turns * self.max_completion_length * 2
 
     def sampling(self, seed: int) -> SamplingParams:
         """The SamplingParams of one rollout call; pass a different seed each step."""
@@ -98,4 +148,6 @@ class RolloutConfig:
             top_k=self.top_k,
             max_completion_length=self.max_completion_length,
             seed=seed,
+            max_turns=self.max_turns if self.episodic else 1,
+            max_episode_tokens=self.episode_budget() if self.episodic else None,
         )

@@ -54,9 +54,11 @@ def render_prompt(
     prompt: str,
     chat_template: bool = False,
     system_prompt: str | None = None,
+    tools: list[dict] | None = None,
 ) -> str:
     """The text the model sees: the prompt itself, or the chat template's rendering of it as
-    the user turn (with a system turn first when system_prompt is set)."""
+    the user turn (with a system turn first when system_prompt is set, and the tools' JSON
+    schemas through the template's `tools=` when given)."""
     if not chat_template:
         return prompt
     if not getattr(tokenizer, "chat_template", None):
@@ -66,7 +68,10 @@ def render_prompt(
         )
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": prompt})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **extra
+    )
 
 
 def encode_prompts(
@@ -76,16 +81,17 @@ def encode_prompts(
     context_length: int | None,
     chat_template: bool = False,
     system_prompt: str | None = None,
+    tools: list[dict] | None = None,
 ) -> list[list[int]]:
     """Token ids of each (rendered) prompt, checked: non-empty and fitting the context with
-    room for max_completion_length new tokens."""
+    room for max_completion_length new tokens (an episode's whole budget)."""
     if not prompts:
         raise ValueError("no prompts to generate from")
     encoded = []
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"prompt {i} is empty: {prompt!r}")
-        text = render_prompt(tokenizer, prompt, chat_template, system_prompt)
+        text = render_prompt(tokenizer, prompt, chat_template, system_prompt, tools)
         # A chat template writes its own special tokens (BOS included).
         ids = tokenizer(text, add_special_tokens=not chat_template)["input_ids"]
         if not ids:
@@ -106,13 +112,22 @@ def checked_prompt_ids(
     """What every engine's generate() starts with: the sampling settings checked and the
     prompts rendered and encoded with the engine's tokenizer, chat template and context."""
     check_sampling(num_generations, params)
+    episodes = getattr(engine, "episodes", None)
+    system_prompt, tools = engine.system_prompt, None
+    new_tokens = params.max_completion_length
+    if episodes is not None:
+        tools = episodes.schemas or None
+        if episodes.tool_description:  # a template without tool support: a system prompt
+            system_prompt = "\n\n".join(filter(None, [system_prompt, episodes.tool_description]))
+        new_tokens = params.max_episode_tokens or episodes.max_tokens
     return encode_prompts(
         engine.tokenizer,
         prompts,
-        params.max_completion_length,
+        new_tokens,
         engine.context_length,
         engine.chat_template,
-        engine.system_prompt,
+        system_prompt,
+        tools,
     )
 
 

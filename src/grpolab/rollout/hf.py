@@ -30,6 +30,14 @@ from grpolab.rollout.common import (
     pad_token_id,
     stop_token_ids,
 )
+from grpolab.rollout.episodes import (
+    Episode,
+    EpisodeLimits,
+    EpisodeRow,
+    EpisodeSetup,
+    assemble_episodes,
+    stop_string_tokens,
+)
 
 
 class HFEngine:
@@ -43,8 +51,10 @@ class HFEngine:
         chat_template: bool = False,
         system_prompt: str | None = None,
         shared_prefill: bool = True,
+        episodes: EpisodeSetup | None = None,
     ):
         self.model = model
+        self.episodes = episodes  # None: single-turn
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.system_prompt = system_prompt
@@ -64,13 +74,12 @@ class HFEngine:
         G = num_generations
         prompt_ids = checked_prompt_ids(self, prompts, G, params)
         device = next(self.model.parameters()).device
-        P = max(len(p) for p in prompt_ids)
-        input_ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, ids in enumerate(prompt_ids):  # left padding: completions start at column P
-            input_ids[i, P - len(ids) :] = torch.tensor(ids)
-            attention_mask[i, P - len(ids) :] = 1
+        input_ids, attention_mask = left_padded(prompt_ids, self.pad_id)
 
+        if self.episodes is not None:
+            return self._generate_episodes(
+                prompts, prompt_ids, input_ids, attention_mask, G, params
+            )
         with eval_mode(self.model):
             completions, logprobs = decode(
                 self.model,
@@ -92,6 +101,132 @@ class HFEngine:
             self.pad_id,
             self.tokenizer,
         )
+
+    def _generate_episodes(self, prompts, prompt_ids, input_ids, attention_mask, G, params):
+        episodes = self._decode_episodes(prompts, input_ids, attention_mask, G, params)
+        return assemble_episodes(
+            prompts,
+            prompt_ids,
+            episodes,
+            G,
+            self.pad_id,
+            self.tokenizer,
+            self.episodes.functions,
+        )
+
+    @torch.no_grad()
+    def sample_episodes(
+        self, prompts: list[str], num_generations: int, params: SamplingParams, factory=None
+    ) -> tuple[list[list[int]], list[Episode]]:
+        """The engine's own record of G episodes per prompt: (prompt token ids, one Episode
+        per sample: every token in the order fed, its log-prob, the turns). `factory`: an
+        environment class to run instead of the configured one (the preflight's probe)."""
+        prompt_ids = checked_prompt_ids(self, prompts, num_generations, params)
+        input_ids, attention_mask = left_padded(prompt_ids, self.pad_id)
+        episodes = self._decode_episodes(
+            prompts, input_ids, attention_mask, num_generations, params, factory
+        )
+        return prompt_ids, episodes
+
+    def _decode_episodes(self, prompts, input_ids, attention_mask, G, params, factory=None):
+        device = next(self.model.parameters()).device
+        setup = self.episodes
+        factory = factory or setup.factory
+        limits = EpisodeLimits(
+            max_turns=params.max_turns or setup.max_turns,
+            max_turn_tokens=params.max_completion_length,
+            max_tokens=params.max_episode_tokens or setup.max_tokens,
+        )
+        text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        rows = [
+            EpisodeRow(factory(), p, limits, text, setup.render, self.stop_ids)
+            for p in prompts
+            for _ in range(G)
+        ]
+        may_stop = stop_string_tokens(self.tokenizer, rows[0].stop_strings)
+        with eval_mode(self.model):
+            decode_episodes(
+                self.model,
+                input_ids.to(device),
+                attention_mask.to(device),
+                G,
+                params,
+                rows,
+                may_stop,
+                shared_prefill=self.shared_prefill,
+            )
+        return [r.episode for r in rows]
+
+
+def left_padded(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to a common length P (completions start at column P):
+    (input_ids [n, P], attention_mask [n, P])."""
+    P = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, ids in enumerate(prompt_ids):
+        input_ids[i, P - len(ids) :] = torch.tensor(ids)
+        attention_mask[i, P - len(ids) :] = 1
+    return input_ids, attention_mask
+
+
+def decode_episodes(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    G: int,
+    params: SamplingParams,
+    episodes: list[EpisodeRow],
+    may_stop,
+    shared_prefill: bool = True,
+) -> None:
+    """The decode loop of multi-turn episodes: each step every row feeds one token, sampled
+    or (in a tool turn) the tool turn's next token, into the same KV cache; the rows' own
+    state machines (EpisodeRow) record the tokens, end turns, run the environment and end
+    the episode. Finished rows leave the batch and the cache. One KV cache all along: the
+    model sees exactly the token stream the Rollout will hold."""
+    device = input_ids.device
+    B = input_ids.shape[0] * G
+    generator = torch.Generator(device=device).manual_seed(params.seed)
+    out, mask, positions = prefill(model, input_ids, attention_mask, G, shared_prefill)
+    cache = out.past_key_values
+    next_position = positions[:, -1] + 1  # [B]
+    rows = torch.arange(B, device=device)  # sample index of each batch row
+    sharded = is_sharded(model)
+    for _ in range(max(e.limits.max_tokens for e in episodes)):
+        sampled, logp = sample_next(out.logits[:, -1], params, generator)  # [rows]
+        fed = []
+        for i, t, v in zip(rows.tolist(), sampled.tolist(), logp.tolist(), strict=True):
+            row = episodes[i]
+            fed.append(row.emit(t, v, may_stop) if not row.done else t)
+        tokens = torch.tensor(fed, device=device)
+        finished = torch.tensor([episodes[i].done for i in rows.tolist()], device=device)
+        if sharded:  # FSDP2: every rank runs the same forwards, finished rows stay
+            left = torch.tensor(sum(not e.done for e in episodes), device=device)
+            torch.distributed.all_reduce(left)
+            if int(left) == 0:
+                break
+        else:
+            stay = ~finished
+            if not bool(stay.any()):
+                break
+            if not bool(stay.all()):  # finished rows leave the batch and the cache
+                index = stay.nonzero().squeeze(1)
+                cache.batch_select_indices(index)
+                rows, tokens, mask = rows[index], tokens[index], mask[index]
+                next_position = next_position[index]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        out = model(
+            input_ids=tokens[:, None],
+            attention_mask=mask,
+            position_ids=next_position[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        next_position = next_position + 1
+    for row in episodes:  # the budget ran out mid-turn
+        if not row.done:
+            row.close_truncated()
 
 
 def sample_next(
@@ -131,24 +266,13 @@ def truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 _CACHE_NOT_PLAIN: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
-def decode(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    G: int,
-    params: SamplingParams,
-    stop_ids: list[int],
-    pad_id: int,
-    shared_prefill: bool = True,
-) -> tuple[list[list[int]], list[list[float]]]:
-    """G completions per prompt row of input_ids [n, P] (left-padded), rows in prompt order,
-    each cut after its first stop token. Returns (token ids, their log-probs) per sample."""
-    device = input_ids.device
-    B = input_ids.shape[0] * G
-    generator = torch.Generator(device=device).manual_seed(params.seed)
-    # FSDP2: every rank runs the same forwards (collectives inside), so no rank leaves the
-    # loop early and finished rows stay in the batch.
-    sharded = type(model).__name__.startswith("FSDP")
+def is_sharded(model) -> bool:
+    return type(model).__name__.startswith("FSDP")
+
+
+def prefill(model, input_ids, attention_mask, G: int, shared_prefill: bool = True):
+    """The prompts' forward for their G samples each: (output with the KV cache and the
+    last position's logits [B, 1, V], attention mask [B, P], position ids [B, P])."""
     signature = inspect.signature(base_model(model).forward)  # peft: **kwargs reach the base
     keep_logits = "logits_to_keep" in signature.parameters
     last_only = {"logits_to_keep": 1} if keep_logits else {}
@@ -157,7 +281,7 @@ def decode(
     positions = position_ids(mask)  # [B, P]
     cache = None
     shareable = model not in _CACHE_NOT_PLAIN
-    if shared_prefill and shareable and G > 1 and keep_logits and not sharded:
+    if shared_prefill and shareable and G > 1 and keep_logits and not is_sharded(model):
         # The G samples of a prompt share its whole forward, the first token's distribution
         # included: one row per prompt, repeated G times.
         out = model(
@@ -182,6 +306,28 @@ def decode(
             use_cache=True,
             **last_only,
         )
+    return out, mask, positions
+
+
+def decode(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    G: int,
+    params: SamplingParams,
+    stop_ids: list[int],
+    pad_id: int,
+    shared_prefill: bool = True,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """G completions per prompt row of input_ids [n, P] (left-padded), rows in prompt order,
+    each cut after its first stop token. Returns (token ids, their log-probs) per sample."""
+    device = input_ids.device
+    B = input_ids.shape[0] * G
+    generator = torch.Generator(device=device).manual_seed(params.seed)
+    # FSDP2: every rank runs the same forwards (collectives inside), so no rank leaves the
+    # loop early and finished rows stay in the batch.
+    sharded = is_sharded(model)
+    out, mask, positions = prefill(model, input_ids, attention_mask, G, shared_prefill)
     cache = out.past_key_values
     next_position = positions[:, -1] + 1  # [B]
     rows = torch.arange(B, device=device)  # sample index of each batch row

@@ -46,6 +46,14 @@ from grpolab.rollout.common import (
     pad_token_id,
     stop_token_ids,
 )
+from grpolab.rollout.episodes import (
+    Episode,
+    EpisodeLimits,
+    EpisodeRow,
+    EpisodeSetup,
+    assemble_episodes,
+    stop_string_tokens,
+)
 
 INSTALL_HINT = (
     "the vllm rollout engine needs vLLM: pip install 'grpolab[vllm]' on a CUDA machine, or "
@@ -210,6 +218,7 @@ class VLLMEngine:
         self.stop_ids = stop_token_ids(tokenizer, model_eos)
         self.pad_id = pad_token_id(tokenizer)
         self._vllm = vllm
+        self.episodes: EpisodeSetup | None = None  # multi-turn: set by from_model
 
     @classmethod
     def from_model(
@@ -220,10 +229,11 @@ class VLLMEngine:
         model_path: str | None = None,
         chat_template: bool = False,
         system_prompt: str | None = None,
+        episodes: EpisodeSetup | None = None,
     ) -> VLLMEngine:
         """An engine that samples from `model`'s current weights: started from `model_path`
         (a directory or hub id with the same architecture) and synced, or, without one, from
-        a copy of `model` saved to a temporary directory."""
+        a copy of `model` saved to a temporary directory. `episodes`: multi-turn."""
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         kwargs = dict(
             dtype=dtype,
@@ -237,10 +247,12 @@ class VLLMEngine:
         if model_path is not None:
             engine = cls(model_path, tokenizer, **kwargs)
             engine.sync_weights(model)
-            return engine
-        with tempfile.TemporaryDirectory(prefix="grpolab-vllm-") as tmp:
-            save_for_engine(model, tokenizer, tmp)
-            return cls(tmp, tokenizer, **kwargs)
+        else:
+            with tempfile.TemporaryDirectory(prefix="grpolab-vllm-") as tmp:
+                save_for_engine(model, tokenizer, tmp)
+                engine = cls(tmp, tokenizer, **kwargs)
+        engine.episodes = episodes
+        return engine
 
     def close(self) -> None:
         """Shut the engine down and free its memory (it cannot be used afterwards)."""
@@ -305,6 +317,12 @@ class VLLMEngine:
     def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> Rollout:
         G = num_generations
         prompt_ids = checked_prompt_ids(self, prompts, G, params)
+        if self.episodes is not None:
+            episodes = self._decode_episodes(prompts, prompt_ids, G, params)
+            return assemble_episodes(
+                prompts, prompt_ids, episodes, G, self.pad_id, self.tokenizer,
+                self.episodes.functions,
+            )  # fmt: skip
         truncating = params.temperature > 0 and (params.top_k > 0 or params.top_p < 1)
         # Greedy decoding gives G equal samples: vLLM refuses n > 1 there, so one, copied.
         copies = G if params.temperature == 0 else 1
@@ -351,3 +369,82 @@ class VLLMEngine:
             self.pad_id,
             self.tokenizer,
         )
+
+    def sample_episodes(
+        self, prompts: list[str], num_generations: int, params: SamplingParams, factory=None
+    ) -> tuple[list[list[int]], list[Episode]]:
+        """The engine's own record of G episodes per prompt (as HFEngine.sample_episodes)."""
+        prompt_ids = checked_prompt_ids(self, prompts, num_generations, params)
+        return prompt_ids, self._decode_episodes(
+            prompts, prompt_ids, num_generations, params, factory
+        )
+
+    def _decode_episodes(self, prompts, prompt_ids, G, params, factory=None) -> list[Episode]:
+        """Multi-turn episodes, one vLLM request per live episode and turn: the prompt plus
+        the episode's whole token stream so far as token ids (the prefix cache keeps its
+        KV), so the engine conditions on exactly the tokens the trainer will hold. vLLM
+        cannot stop at a string without its tokenizer: a turn samples up to its limit and
+        the episode's state machine (EpisodeRow) keeps the tokens up to the stop string and
+        drops the rest, which no later token was conditioned on."""
+        setup = self.episodes
+        limits = EpisodeLimits(
+            max_turns=params.max_turns or setup.max_turns,
+            max_turn_tokens=params.max_completion_length,
+            max_tokens=params.max_episode_tokens or setup.max_tokens,
+        )
+        text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        rows = [
+            EpisodeRow((factory or setup.factory)(), p, limits, text, setup.render, self.stop_ids)
+            for p in prompts
+            for _ in range(G)
+        ]
+        may_stop = stop_string_tokens(self.tokenizer, rows[0].stop_strings)
+        for turn in range(limits.max_turns):
+            live = [i for i, row in enumerate(rows) if not row.done]
+            if not live:
+                break
+            outputs = self._episode_turn(prompt_ids, rows, live, G, params, limits, turn)
+            for i, out in zip(live, outputs, strict=True):
+                feed_turn(rows[i], out.outputs[0], may_stop)
+        for row in rows:
+            if not row.done:
+                row.close_truncated()
+        return [row.episode for row in rows]
+
+    def _episode_turn(self, prompt_ids, rows, live, G, params, limits, turn):
+        requests, sampling = [], []
+        for i in live:
+            tokens = rows[i].episode.tokens
+            requests.append(
+                self._vllm.inputs.TokensPrompt(prompt_token_ids=prompt_ids[i // G] + tokens)
+            )
+            room = min(limits.max_turn_tokens, limits.max_tokens - len(tokens))
+            seed = ((params.seed * _SEED_STRIDE + i) * _SEED_STRIDE + turn) % 2**63
+            sampling.append(
+                self._vllm.SamplingParams(
+                    n=1,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k,
+                    max_tokens=max(1, room),
+                    stop_token_ids=self.stop_ids,
+                    logprobs=0,
+                    detokenize=False,
+                    seed=seed,
+                )
+            )
+        with host_state_preserved():
+            return self.llm.generate(requests, sampling, use_tqdm=False)
+
+
+def feed_turn(row: EpisodeRow, sample, may_stop) -> None:
+    """One vLLM sample of an assistant turn into the episode: its tokens until the turn ends
+    (EOS, a stop string, a limit), then the tool turn's tokens, if any."""
+    ids = list(sample.token_ids)
+    logps = [step[token].logprob for step, token in zip(sample.logprobs, ids, strict=True)]
+    for token, logp in zip(ids, logps, strict=True):
+        row.emit(token, logp, may_stop)
+        if row.done or row.forced:
+            break
+    while row.forced:  # the tool turn: fed as the next request's prompt tokens
+        row.emit(0, 0.0, may_stop)
