@@ -602,7 +602,7 @@ def checked_loss_parity(
     tolerance = DEMO_PARITY_TOLERANCE
     if s.model:
         terms = dict(logp=logp, logp_old=logp_old, logp_ref=logp_ref, advantages=advantages)
-        tolerance = parity_tolerance(model, s, mask, **terms)
+        tolerance = parity_tolerance(model, s, mask, ids, attn, **terms)
     return float(ours), float(theirs), tolerance
 
 
@@ -616,12 +616,16 @@ def load_tolerances():
     return module
 
 
-def parity_tolerance(model, s: Settings, mask, logp, logp_old, logp_ref, advantages) -> float:
+def parity_tolerance(
+    model, s: Settings, mask, ids, attn, logp, logp_old, logp_ref, advantages
+) -> float:
     """How far grpolab's and TRL's losses on one batch may honestly differ on a deep model.
 
     The two compute each token's log-prob by different float32 paths (grpolab's shared prompt
     and chunked lm-head, TRL's full logits), each within logprob_tolerance of the exact value
-    (tests/tolerances.py: sqrt(widest dot product x layers) eps32 x the logit bound), and all
+    (tests/tolerances.py: sqrt(widest dot product x layers) eps32 x the logits' size; here the
+    batch's own largest |logit|, as the worst case over all inputs is as large as the loss on
+    this model and would let a wrong aggregation pass), and all
     else from the same tensors. The loss is the configured aggregation of per-token terms whose
     slope in the token's log-prob is at most |A| x ratio (the surrogate; 0 where clipped) plus
     beta |1 - exp(ref - logp)| (k3), so it moves by at most that aggregation of the slopes
@@ -629,7 +633,12 @@ def parity_tolerance(model, s: Settings, mask, logp, logp_old, logp_ref, advanta
     """
     from grpolab import core
 
-    per_token = load_tolerances().logprob_tolerance(model, s.temperature)
+    tolerances = load_tolerances()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits  # [B, T, V]
+        scale = float(logits.abs().max()) / s.temperature
+        del logits
+    per_token = tolerances.float32_tolerance(scale, tolerances.reduction_terms(model))
     with torch.no_grad():
         slope = advantages.abs()[:, None] * torch.exp(logp - logp_old)  # [B, T]
         if logp_ref is not None:
