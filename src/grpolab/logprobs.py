@@ -657,15 +657,17 @@ def _prefix_hidden(
     rows = plan.firsts
     if replay and not plain_kv_cache(DynamicCache(config=body.config)):
         return None
+    # Under checkpointing transformers turns use_cache off; a cache passed in is still used.
+    given = _replayable_cache(body.config.num_hidden_layers) if replay else None
     with _cache_through_checkpoints(body, replay):
         out = body(
             input_ids=input_ids[rows, :P],
             attention_mask=attention_mask[rows, :P],
             position_ids=position_ids[rows, :P],
-            past_key_values=_replayable_cache(body.config.num_hidden_layers) if replay else None,
-            use_cache=True,
+            past_key_values=given,
+            use_cache=not replay,
         )
-    prefix = out.past_key_values  # [U, heads, P, d] per layer
+    prefix = given if replay else out.past_key_values  # [U, heads, P, d] per layer
     if not replay and not plain_kv_cache(prefix):
         return None
     last = out.last_hidden_state[:, -1]  # [U, H], predicts column P
@@ -699,7 +701,7 @@ def _prefix_hidden(
                 attention_mask=attention_mask[bucket, : P + width],
                 position_ids=position_ids[bucket, P : P + width],
                 past_key_values=cache,
-                use_cache=True,
+                use_cache=not replay,
             )
         window[bucket, 1 : 1 + width] = out.last_hidden_state  # [b, width, H]
     return window
