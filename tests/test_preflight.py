@@ -87,3 +87,32 @@ def test_a_trl_users_advantages_pass_under_the_trl_profile_and_fail_under_the_se
     assert out.returncode == 1
     failed = {c["id"] for c in json.loads(out.stdout)["checks"] if not c["passed"]}
     assert "advantages.population_std" in failed
+
+
+def test_reward_variance_is_judged_on_a_training_steps_worth_of_groups():
+    """A sparse reward can leave the preflight's few groups flat while a step's groups teach:
+    then a step's prompts_per_step groups are sampled and the check judges those; a reward
+    that never varies still fails there."""
+    import dataclasses
+
+    import torch
+
+    from grpolab.config import load_config
+    from grpolab.preflight import reward_variance_over_a_step, sample_batch
+    from grpolab.setup import build_run, load_start_model
+
+    cfg = load_config(None, ["trainer.prompts_per_step=8", "trainer.num_generations=8"])
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    run = build_run(cfg, model, tokenizer)
+    batch, _ = sample_batch(run)  # 4 groups of 8
+    flat = dataclasses.replace(batch, rewards=torch.zeros_like(batch.rewards))
+    over_a_step = reward_variance_over_a_step(run, flat)
+    # 8 groups judged: the preflight's 4 (made flat here) and 4 new ones of the demo model,
+    # which answers about a third right, so some of those vary.
+    assert over_a_step.id == "rewards.variance" and over_a_step.passed
+    assert over_a_step.measured in {k / 8 for k in range(4, 8)}
+    never = dataclasses.replace(run, rewards=[lambda completions, **_: [0.0] * len(completions)])
+    assert not reward_variance_over_a_step(never, flat).passed
+    # A preflight batch that already holds a step's groups is judged as it is.
+    one_step = load_config(None, ["trainer.prompts_per_step=4", "trainer.num_generations=8"])
+    assert reward_variance_over_a_step(dataclasses.replace(run, cfg=one_step), flat) is None

@@ -83,6 +83,26 @@ def sample_batch(run: Run) -> tuple[PreflightBatch, list[str]]:
     return batch, rollout.completions
 
 
+def reward_variance_over_a_step(run: Run, batch: PreflightBatch) -> CheckResult | None:
+    """rewards.variance on a training step's worth of groups, or None when the preflight's own
+    groups already are one. A sparse reward (a base model right 3% of the time) often leaves
+    the preflight's few groups all flat while a step's prompts_per_step groups still teach:
+    the check fails only when a whole step would have no group that varies."""
+    cfg = run.cfg
+    G = cfg.trainer.num_generations
+    have = batch.rewards.numel() // G
+    more = cfg.trainer.prompts_per_step - have
+    if more <= 0:
+        return None
+    draw = seeds.preflight_prompts(cfg.seed)
+    run.task.sample(have, draw)  # the preflight's own prompts, then new ones
+    examples = run.task.sample(more, draw)
+    params = cfg.rollout.sampling(seed=seeds.preflight_sampling_seed(cfg.seed) + 1)
+    rollout = run.engine.generate([e.prompt for e in examples], G, params)
+    rewards = torch.cat([batch.rewards, score(rollout, examples, run.rewards).total.float()])
+    return next(checks.check_rewards(dataclasses.replace(batch, rewards=rewards)))
+
+
 def episode_results(run: Run, s: PreflightSettings) -> list[CheckResult]:
     """The episode checks on probe episodes of the configured engine and tool turns."""
     cfg = run.cfg
@@ -396,6 +416,9 @@ def run_preflight(run: Run) -> list[CheckResult]:
     s = settings_from_config(cfg)
     batch, _ = sample_batch(run)
     results = checks.run_checks(model, batch, s, functions)
+    flat = [i for i, r in enumerate(results) if r.id == "rewards.variance" and not r.passed]
+    if flat and (over_a_step := reward_variance_over_a_step(run, batch)) is not None:
+        results[flat[0]] = over_a_step
     if getattr(run.engine, "episodes", None) is not None:
         results += episode_results(run, s)
     report = run_probes(probe_rows(run.task), run.rewards, run.tokenizer)
