@@ -210,23 +210,37 @@ def decode_episodes(
             stay = ~finished
             if not bool(stay.any()):
                 break
-            if not bool(stay.all()):  # finished rows leave the batch and the cache
-                index = stay.nonzero().squeeze(1)
-                cache.batch_select_indices(index)
-                rows, tokens, mask = rows[index], tokens[index], mask[index]
-                next_position = next_position[index]
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        out = model(
-            input_ids=tokens[:, None],
-            attention_mask=mask,
-            position_ids=next_position[:, None],
-            past_key_values=cache,
-            use_cache=True,
-        )
-        next_position = next_position + 1
+            rows, tokens, mask, next_position = leave_batch(
+                stay, cache, rows, tokens, mask, next_position
+            )
+        out, mask, next_position = feed(model, cache, tokens, mask, next_position)
     for row in episodes:  # the budget ran out mid-turn
         if not row.done:
             row.close_truncated()
+
+
+def leave_batch(stay, cache, rows, tokens, mask, next_position):
+    """Finished rows leave the batch and the KV cache: keep the rows where `stay` [b] is true
+    -> (rows [b'], tokens [b'], mask [b', t], next_position [b'])."""
+    if bool(stay.all()):
+        return rows, tokens, mask, next_position
+    index = stay.nonzero().squeeze(1)
+    cache.batch_select_indices(index)
+    return rows[index], tokens[index], mask[index], next_position[index]
+
+
+def feed(model, cache, tokens, mask, next_position):
+    """One decode step: each row's token [b] at its next position into the cache ->
+    (model output, mask [b, t+1], next positions [b])."""
+    mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+    out = model(
+        input_ids=tokens[:, None],
+        attention_mask=mask,
+        position_ids=next_position[:, None],
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return out, mask, next_position + 1
 
 
 def sample_next(
@@ -351,20 +365,10 @@ def decode(
             stay = ~finished[rows]
             if not bool(stay.any()):
                 break
-            if not bool(stay.all()):  # finished rows leave the batch and the cache
-                index = stay.nonzero().squeeze(1)
-                cache.batch_select_indices(index)
-                rows, tokens, mask = rows[index], tokens[index], mask[index]
-                next_position = next_position[index]
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        out = model(
-            input_ids=tokens[:, None],
-            attention_mask=mask,
-            position_ids=next_position[:, None],
-            past_key_values=cache,
-            use_cache=True,
-        )
-        next_position = next_position + 1
+            rows, tokens, mask, next_position = leave_batch(
+                stay, cache, rows, tokens, mask, next_position
+            )
+        out, mask, next_position = feed(model, cache, tokens, mask, next_position)
 
     completions: list[list[int]] = [[] for _ in range(B)]
     logprobs: list[list[float]] = [[] for _ in range(B)]
