@@ -175,6 +175,23 @@ class EpisodeSetup:
     def stop_strings(self) -> tuple[str, ...]:
         return tuple(getattr(self.factory(), "stop_strings", ()) or ())
 
+    def new_rows(self, prompts, G: int, params, tokenizer, stop_ids, factory=None):
+        """G fresh episode rows per prompt (a new environment each) and their limits: what
+        both engines start a generate() from -> (rows [len(prompts) * G], EpisodeLimits)."""
+        factory = factory or self.factory
+        limits = EpisodeLimits(
+            max_turns=params.max_turns or self.max_turns,
+            max_turn_tokens=params.max_completion_length,
+            max_tokens=params.max_episode_tokens or self.max_tokens,
+        )
+        text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        rows = [
+            EpisodeRow(factory(), p, limits, text, self.render, stop_ids)
+            for p in prompts
+            for _ in range(G)
+        ]
+        return rows, limits
+
 
 # --- The engine's side: one row's state while decoding ---------------------------------------
 

@@ -32,7 +32,6 @@ from grpolab.rollout.common import (
 )
 from grpolab.rollout.episodes import (
     Episode,
-    EpisodeLimits,
     EpisodeRow,
     EpisodeSetup,
     assemble_episodes,
@@ -130,19 +129,7 @@ class HFEngine:
 
     def _decode_episodes(self, prompts, input_ids, attention_mask, G, params, factory=None):
         device = next(self.model.parameters()).device
-        setup = self.episodes
-        factory = factory or setup.factory
-        limits = EpisodeLimits(
-            max_turns=params.max_turns or setup.max_turns,
-            max_turn_tokens=params.max_completion_length,
-            max_tokens=params.max_episode_tokens or setup.max_tokens,
-        )
-        text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        rows = [
-            EpisodeRow(factory(), p, limits, text, setup.render, self.stop_ids)
-            for p in prompts
-            for _ in range(G)
-        ]
+        rows, _ = self.episodes.new_rows(prompts, G, params, self.tokenizer, self.stop_ids, factory)
         may_stop = stop_string_tokens(self.tokenizer, rows[0].stop_strings)
         with eval_mode(self.model):
             decode_episodes(

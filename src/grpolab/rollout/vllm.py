@@ -48,7 +48,6 @@ from grpolab.rollout.common import (
 )
 from grpolab.rollout.episodes import (
     Episode,
-    EpisodeLimits,
     EpisodeRow,
     EpisodeSetup,
     assemble_episodes,
@@ -386,18 +385,9 @@ class VLLMEngine:
         cannot stop at a string without its tokenizer: a turn samples up to its limit and
         the episode's state machine (EpisodeRow) keeps the tokens up to the stop string and
         drops the rest, which no later token was conditioned on."""
-        setup = self.episodes
-        limits = EpisodeLimits(
-            max_turns=params.max_turns or setup.max_turns,
-            max_turn_tokens=params.max_completion_length,
-            max_tokens=params.max_episode_tokens or setup.max_tokens,
+        rows, limits = self.episodes.new_rows(
+            prompts, G, params, self.tokenizer, self.stop_ids, factory
         )
-        text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        rows = [
-            EpisodeRow((factory or setup.factory)(), p, limits, text, setup.render, self.stop_ids)
-            for p in prompts
-            for _ in range(G)
-        ]
         may_stop = stop_string_tokens(self.tokenizer, rows[0].stop_strings)
         for turn in range(limits.max_turns):
             live = [i for i, row in enumerate(rows) if not row.done]
