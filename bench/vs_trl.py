@@ -22,13 +22,16 @@ directory, resolved by grpolab.models.resolve_model_source) runs the same side b
 the settings of examples/smollm2-arithmetic.yaml unless a flag overrides them: its task
 (chat-template prompts "What is a op b? Answer with the number only.", operands 10-99), its
 reward (accuracy in math mode, grpolab's own function given to TRL), 8 prompts x G=8,
-completions up to 16 tokens, lr 3e-5, loss `sequence`, gradient checkpointing on both sides
-(non-reentrant on both), micro-batches of one group (8 per step, TRL's
-`gradient_accumulation_steps` = `steps_per_generation` = 8, still one optimizer step per
-generation batch) and the example's 2 threads on both sides. grpolab loads the model itself;
-TRL gets the resolved Hugging Face directory and loads the model (float32) and its tokenizer
-itself. The parity lines then run on the real model (4 prompts x 4) with a tolerance derived
-from float32 on its 30 layers (parity_tolerance), not the warm-up model's 1e-5.
+completions up to 16 tokens, its lr and loss, its LoRA (TRL gets a peft LoraConfig of the same
+rank, alpha and modules; `--lora-r 0` trains every weight on both sides, then give a full
+fine-tuning `--learning-rate`), its gradient checkpointing (non-reentrant on both sides when
+on), micro-batches of one group (8 per step, TRL's `gradient_accumulation_steps` =
+`steps_per_generation` = 8, still one optimizer step per generation batch) and the example's
+2 threads on both sides. grpolab loads the model itself; TRL gets the resolved Hugging Face
+directory and loads the model (float32) and its tokenizer itself. The parity lines then run
+on the real model (4 prompts x 4, the base weights: the loss is the same function of the
+log-probs either way) with a tolerance derived from float32 on its 30 layers
+(parity_tolerance), not the warm-up model's 1e-5.
 
 What a real model could not match:
 - Chat template: TRL gets the prompt text rendered by grpolab's render_prompt (a plain-text
@@ -114,6 +117,11 @@ class Settings:
     # Micro-batches per optimizer step, on both sides (TRL: steps_per_generation too, so one
     # generation batch still makes one optimizer step).
     gradient_accumulation_steps: int = 1
+    # LoRA on both sides (TRL: a peft LoraConfig of the same rank, alpha and modules);
+    # 0 = full fine-tuning.
+    lora_r: int = 0
+    lora_alpha: int = 16
+    lora_target_modules: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -172,6 +180,11 @@ def memory_overrides(s: Settings) -> list[str]:
         out.append(f"trainer.gradient_checkpointing={str(s.gradient_checkpointing).lower()}")
     if s.gradient_accumulation_steps != 1 or s.model:
         out.append(f"trainer.gradient_accumulation_steps={s.gradient_accumulation_steps}")
+    if s.lora_r or s.model:  # a real model's example may set LoRA: 0 must undo it
+        out.append(f"trainer.lora_r={s.lora_r}")
+    if s.lora_r:
+        modules = ",".join(s.lora_target_modules)
+        out += [f"trainer.lora_alpha={s.lora_alpha}", f"trainer.lora_target_modules=[{modules}]"]
     return out
 
 
@@ -193,6 +206,25 @@ def example_settings(model: str) -> Settings:
         threads=t.num_threads,
         gradient_checkpointing=t.gradient_checkpointing,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
+        lora_r=t.lora_r,
+        lora_alpha=t.lora_alpha,
+        lora_target_modules=list(t.lora_target_modules),
+    )
+
+
+def trl_lora(s: Settings):
+    """TRL's side of LoRA: the peft config grpolab builds from the same trainer.lora_* (no
+    dropout, adapters on the same modules), or None for full fine-tuning."""
+    if not s.lora_r:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=s.lora_r,
+        lora_alpha=s.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=list(s.lora_target_modules),
+        task_type="CAUSAL_LM",
     )
 
 
@@ -391,9 +423,12 @@ def trl_reward(s: Settings):
     return make_accuracy(cfg.rewards.accuracy_mode, cfg.task.name)
 
 
-def make_trl_trainer(s: Settings, seed: int, output_dir: str, model, tokenizer, pairs, **over):
+def make_trl_trainer(
+    s: Settings, seed: int, output_dir: str, model, tokenizer, pairs, peft_config=None, **over
+):
     """TRL's trainer on `pairs` (prompt as TRL should see it, answer). model: a model object,
-    or a directory for TRL to load (then tokenizer None: TRL loads its own)."""
+    or a directory for TRL to load (then tokenizer None: TRL loads its own); peft_config: TRL
+    wraps the model in LoRA adapters."""
     from datasets import Dataset
     from trl import GRPOTrainer
 
@@ -404,6 +439,7 @@ def make_trl_trainer(s: Settings, seed: int, output_dir: str, model, tokenizer, 
         args=trl_args(s, seed, output_dir, **over),
         train_dataset=dataset,
         processing_class=tokenizer,
+        peft_config=peft_config,
     )
 
 
@@ -496,11 +532,11 @@ def trl_trainer_on_same_prompts(s: Settings, seed: int, output_dir: str, pairs):
         directory = model_directory(s)
         texts, ids = rendered_prompts(s, seed, load_tokenizer(directory), pairs)
         rows = [(t, a) for t, (_, a) in zip(texts, pairs, strict=True)]
-        trainer = make_trl_trainer(s, seed, output_dir, directory, None, rows)
+        trainer = make_trl_trainer(s, seed, output_dir, directory, None, rows, trl_lora(s))
     else:
         model, tokenizer = load_demo_model()
         texts, ids = rendered_prompts(s, seed, tokenizer, pairs)
-        trainer = make_trl_trainer(s, seed, output_dir, model, tokenizer, pairs)
+        trainer = make_trl_trainer(s, seed, output_dir, model, tokenizer, pairs, trl_lora(s))
     return trainer, check_prompt_tokens(trainer, texts, ids)
 
 
@@ -755,6 +791,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "learning_rate": args.learning_rate,
         "gradient_checkpointing": args.gradient_checkpointing,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "lora_r": args.lora_r,
     }
     s = replace(
         base, steps=args.steps, beta=args.beta, **{k: v for k, v in flags.items() if v is not None}
@@ -763,6 +800,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         # The example's micro-batch is one group (8 prompts, 8 micro-batches): keep that shape
         # when the prompts per step change.
         s = replace(s, gradient_accumulation_steps=s.prompts_per_step)
+    if s.lora_r and not s.lora_target_modules:
+        s = replace(s, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     rows = s.prompts_per_step * s.num_generations
     if rows % s.gradient_accumulation_steps:
         raise SystemExit(
@@ -785,17 +824,21 @@ def model_label(s: Settings) -> str:
 
 
 def real_model_label(s: Settings) -> str:
-    """The settings a real model's line adds: lr, loss, memory settings."""
+    """The settings a real model's line adds (lr, loss, LoRA, memory settings); on the
+    warm-up model only LoRA, when set."""
+    tuned = "full fine-tuning"
+    if s.lora_r:
+        tuned = f"LoRA r {s.lora_r} alpha {s.lora_alpha} on {','.join(s.lora_target_modules)}"
     if not s.model:
-        return ""
+        return f", {tuned}" if s.lora_r else ""
     ckpt = {None: "each's default", True: "on", False: "off"}[s.gradient_checkpointing]
     return (
-        f", lr {s.learning_rate}, loss {s.loss_agg}, gradient checkpointing {ckpt}, "
+        f", lr {s.learning_rate}, loss {s.loss_agg}, {tuned}, gradient checkpointing {ckpt}, "
         f"{s.gradient_accumulation_steps} micro-batches"
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model",
@@ -828,6 +871,12 @@ def main(argv: list[str] | None = None) -> int:
         "micro-batch (= prompts per step, the example's 8) for a real model",
     )
     p.add_argument(
+        "--lora-r",
+        type=int,
+        help="LoRA rank on both sides, 0 = full fine-tuning; default: the example's for a "
+        "real model (its alpha and modules), 0 for the warm-up model (q/k/v/o when set)",
+    )
+    p.add_argument(
         "--pairings", nargs="+", choices=PAIRINGS, default=list(PAIRINGS), help="see PAIRINGS"
     )
     p.add_argument("--json", help="write the results to this file")
@@ -835,6 +884,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--settings", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
 
     if args.worker:

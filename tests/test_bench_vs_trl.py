@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,35 @@ def test_mismatched_loss_type_is_caught() -> None:
     seq, _ = vs_trl.loss_parity("sequence", 0.0)
     const, _ = vs_trl.loss_parity("constant", 0.0)
     assert abs(seq - const) > 1e-5
+
+
+def test_lora_reaches_both_sides() -> None:
+    """The real-model example's LoRA goes to grpolab's config and, as the same peft config, to
+    TRL; --lora-r 0 trains every weight on both sides."""
+    from grpolab.config import load_config
+
+    example = load_config(vs_trl.REAL_EXAMPLE)
+    args = ["--model", "smollm2-135m-instruct", "--steps", "1"]
+    s = vs_trl.settings_from_args(vs_trl.build_parser().parse_args(args))
+    assert s.lora_r == example.trainer.lora_r > 0
+    ours = vs_trl.grpolab_config(s, 0, "unused").trainer
+    theirs = vs_trl.trl_lora(s)
+    assert (ours.lora_r, ours.lora_alpha) == (theirs.r, theirs.lora_alpha)
+    assert set(ours.lora_target_modules) == set(theirs.target_modules)
+    assert theirs.lora_dropout == ours.lora_dropout == 0.0
+
+    full = vs_trl.settings_from_args(vs_trl.build_parser().parse_args([*args, "--lora-r", "0"]))
+    assert vs_trl.grpolab_config(full, 0, "unused").trainer.lora_r == 0
+    assert vs_trl.trl_lora(full) is None
+
+
+def test_trl_trains_the_same_adapters() -> None:
+    """TRL under --lora-r trains only LoRA adapters on the warm-up model, as grpolab does."""
+    s = vs_trl.Settings(steps=1, prompts_per_step=2, num_generations=2, lora_r=4)
+    s = vs_trl.replace(s, lora_target_modules=["q_proj", "v_proj"])
+    pairs = vs_trl.prompt_stream(s, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer, _ = vs_trl.trl_trainer_on_same_prompts(s, 0, tmp, pairs)
+        trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trained} == {"q_proj", "v_proj"}
