@@ -35,16 +35,21 @@ NAME = "smollm2-135m-instruct"
 
 # name -> overrides of the example (2 steps, a 64-prompt evaluation before and after).
 MEMORY_SETTINGS = {
-    "64 rows at once": [
+    "full fine-tuning, 64 rows at once": [
+        "trainer.lora_r=0",
         "trainer.gradient_checkpointing=false",
         "trainer.gradient_accumulation_steps=1",
     ],
-    "64 rows, checkpointing": ["trainer.gradient_accumulation_steps=1"],
-    "micro-batches of 16": [
-        "trainer.gradient_checkpointing=false",
-        "trainer.gradient_accumulation_steps=4",
+    "full fine-tuning, 64 rows, checkpointing": [
+        "trainer.lora_r=0",
+        "trainer.gradient_checkpointing=true",
+        "trainer.gradient_accumulation_steps=1",
     ],
-    "the example (checkpointing, micro-batches of 8)": [],
+    "full fine-tuning, checkpointing, micro-batches of 8": [
+        "trainer.lora_r=0",
+        "trainer.gradient_checkpointing=true",
+    ],
+    "the example (LoRA r 16, micro-batches of 8)": [],
 }
 
 
