@@ -800,8 +800,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         # The example's micro-batch is one group (8 prompts, 8 micro-batches): keep that shape
         # when the prompts per step change.
         s = replace(s, gradient_accumulation_steps=s.prompts_per_step)
-    if s.lora_r and not s.lora_target_modules:
-        s = replace(s, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    if s.lora_r and not s.lora_target_modules:  # grpolab's default modules, on both sides
+        from grpolab.config import TrainerConfig
+
+        s = replace(s, lora_target_modules=list(TrainerConfig().lora_target_modules))
     rows = s.prompts_per_step * s.num_generations
     if rows % s.gradient_accumulation_steps:
         raise SystemExit(
