@@ -213,19 +213,13 @@ def example_settings(model: str) -> Settings:
 
 
 def trl_lora(s: Settings):
-    """TRL's side of LoRA: the peft config grpolab builds from the same trainer.lora_* (no
-    dropout, adapters on the same modules), or None for full fine-tuning."""
+    """TRL's side of LoRA: the peft config grpolab itself trains with under these settings
+    (grpolab.setup.lora_config), or None for full fine-tuning."""
     if not s.lora_r:
         return None
-    from peft import LoraConfig
+    from grpolab.setup import lora_config
 
-    return LoraConfig(
-        r=s.lora_r,
-        lora_alpha=s.lora_alpha,
-        lora_dropout=0.0,
-        target_modules=list(s.lora_target_modules),
-        task_type="CAUSAL_LM",
-    )
+    return lora_config(grpolab_config(s, 0, "unused"))
 
 
 def objective_overrides(s: Settings) -> list[str]:

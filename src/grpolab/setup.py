@@ -323,20 +323,27 @@ def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
-def wrap_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-    """`model` with LoRA adapters on trainer.lora_target_modules; only they are trainable."""
+def lora_config(cfg: Config):
+    """peft's LoraConfig for trainer.lora_*: the adapters grpolab trains (and what a peer
+    trainer is given to train the same ones)."""
     t = cfg.trainer
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
     except ImportError as e:
         raise ImportError(
             f"trainer.lora_r={t.lora_r} needs peft: pip install 'grpolab[lora]'"
         ) from e
-    lora = LoraConfig(
+    return LoraConfig(
         r=t.lora_r,
         lora_alpha=t.lora_alpha,
         lora_dropout=t.lora_dropout,
         target_modules=list(t.lora_target_modules),
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lora)
+
+
+def wrap_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+    """`model` with LoRA adapters on trainer.lora_target_modules; only they are trainable."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(cfg))
