@@ -26,7 +26,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from grpolab.config import ConfigError, load_config
     from grpolab.monitors import MonitorStop, NonFiniteError
     from grpolab.preflight import PreflightFailed
-    from grpolab.trainer import Interrupted, train
+    from grpolab.trainer import Interrupted, RewardsFailing, train
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -39,7 +39,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             skip_preflight=args.skip_preflight,
             allow_config_change=args.allow_config_change,
         )
-    except PreflightFailed as e:
+    except (PreflightFailed, RewardsFailing) as e:
         _fail(str(e))
         return 1
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError, ImportError) as e:

@@ -67,6 +67,11 @@ class Interrupted(RuntimeError):
     """Ctrl-C or SIGTERM stopped the run; the message says what was saved."""
 
 
+class RewardsFailing(RuntimeError):
+    """A reward function failed on every sample of trainer.max_consecutive_reward_failures
+    steps in a row: the run stopped with a checkpoint; the message names it and its error."""
+
+
 @dataclass
 class Session:
     """A run in progress, and where it writes."""
@@ -179,6 +184,7 @@ PROGRESS_KEYS = (
     "eval_history",
     "wall_seconds",
     "config_changes",
+    "reward_failure_streak",  # {function: steps in a row it failed on every sample}
 )
 
 
@@ -241,9 +247,11 @@ def steps(session: Session) -> None:
                 ) from None
             session.step = step
             warnings = watch(session, step, metrics, batch, bar.console)
+            failing = count_reward_failures(session, batch)
             record(session, step, metrics, batch)
             bar.update(bar_task, completed=step, info=f"reward {metrics['reward/mean']:.3f}")
-            if step == session.start_step + 1 or step % 10 == 0 or metrics["skipped"]:
+            first = step == session.start_step + 1
+            if first or step % 10 == 0 or metrics["skipped"] or failing:
                 bar.console.print(session.tracker.console_line(step, cfg.max_steps, metrics))
             stop_if_unhealthy(session, step, warnings, batch)
             if dist_module.any_rank(stop.requested, run.dist):
@@ -280,6 +288,21 @@ def watch(session: Session, step: int, metrics: dict, batch: StepBatch, console)
     return warnings
 
 
+def count_reward_failures(session: Session, batch: StepBatch) -> list[str]:
+    """Each reward function's streak of steps on which it failed on every sample (of every
+    rank); returns the functions that did on this step."""
+    run = session.run
+    streaks = session.progress.setdefault("reward_failure_streak", {})
+    failing = []
+    for fn in run.rewards:
+        everywhere = batch.scores.errors.get(fn.name, 0) >= batch.rows
+        everywhere = not dist_module.any_rank(not everywhere, run.dist)
+        streaks[fn.name] = streaks.get(fn.name, 0) + 1 if everywhere else 0
+        if everywhere:
+            failing.append(fn.name)
+    return failing
+
+
 def record(session: Session, step: int, metrics: dict, batch: StepBatch) -> None:
     """Held-out accuracy every eval_steps, metrics.jsonl, sample completions."""
     t = session.run.cfg.trainer
@@ -301,6 +324,18 @@ def stop_if_unhealthy(session: Session, step: int, warnings: list[str], batch: S
         session.tracker.close()
         raise MonitorStop(
             f"stopped at step {step} (trainer.monitor=stop): {warnings[0]}; checkpoint {path}"
+        )
+    streaks = session.progress.get("reward_failure_streak", {})
+    failed = [name for name, n in streaks.items() if n >= t.max_consecutive_reward_failures]
+    if failed:
+        path = save(session, step)
+        session.tracker.close()
+        fn = next(fn for fn in run.rewards if fn.name == failed[0])
+        raise RewardsFailing(
+            f"stopped at step {step}: reward {fn.name!r} failed on every sample of the last "
+            f"{streaks[fn.name]} steps (trainer.max_consecutive_reward_failures="
+            f"{t.max_consecutive_reward_failures}); its last error: {fn.last_error}; "
+            f"checkpoint {path}"
         )
     if run.consecutive_nonfinite >= t.max_consecutive_nonfinite:
         path = save(session, step)
