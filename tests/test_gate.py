@@ -23,7 +23,16 @@ def test_train_runs_the_preflight_first(tmp_path, capsys):
     report = json.loads((out / "preflight.json").read_text())
     assert report["passed"] is True
     assert {c["id"] for c in report["checks"]} >= {"clip.asymmetric", "logprobs.fused_vs_naive"}
-    assert "preflight: all" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "preflight: all" in printed
+    # One line per group of checks as it starts, with the time so far: a real model's
+    # preflight takes minutes.
+    groups = re.findall(r"^preflight +(\d+\.\d) s  (\S.*)$", printed, re.MULTILINE)
+    assert len(groups) >= 4 and groups[0][1].startswith("sampling 8 prompts x 4")
+    assert any(doing.startswith("the reward probes") for _, doing in groups)
+    seconds = [float(t) for t, _ in groups]
+    assert seconds == sorted(seconds)
+    assert groups[-1][1].startswith("the worst-case memory")
 
 
 def test_a_failing_check_refuses_to_start_and_leaves_output_dir_as_it_was(tmp_path, capsys):

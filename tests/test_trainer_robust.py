@@ -201,3 +201,16 @@ def test_eval_of_a_checkpoint_uses_its_runs_task_and_config(tmp_path, capsys):
     assert f"accuracy (greedy): {after:.1f}% on 8 problems" in printed
     assert main(["eval", "--model", str(out / "checkpoint-5")]) == 0
     assert "on 24 problems" in capsys.readouterr().out  # --examples unset: all held-out rows
+
+
+def test_an_evaluation_prints_its_progress(tmp_path, capsys, monkeypatch):
+    from grpolab import trainer
+
+    monkeypatch.setattr(trainer, "EVAL_PROGRESS_SECONDS", 0.0)  # a line after every batch
+    out = tmp_path / "run"
+    args = ["train", f"output_dir={out}", *TINY, "max_steps=1", "trainer.eval_examples=24"]
+    assert main([*args, "--skip-preflight"]) == 0
+    printed = capsys.readouterr().out
+    for done in (8, 16):  # batches of a step's 8 rows; the last one is the result line
+        line = rf"held-out accuracy before GRPO: {done} of 24 problems \(\d+ s\)"
+        assert re.search(line, printed), printed
