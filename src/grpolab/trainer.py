@@ -2,6 +2,7 @@
 
     session = start(cfg, ...)      # device, ranks, run directory, model, run, resume
     gate(session, ...)             # the preflight on this model and a real batch
+    commit(session)                # only now is the run directory written
     steps(session)                 # grpo_step, monitors, evaluation, logs, checkpoints
     finish(session)                # last checkpoint, held-out accuracy, summary.json
 
