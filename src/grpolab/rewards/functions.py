@@ -42,7 +42,8 @@ class RewardFunction:
     fallback: float = 0.0  # the value of a sample whose reward could not be computed
     threaded: bool = True  # run in a worker thread under `timeout`
     needs_token_ids: bool = False
-    # The last failure, one line ("KeyError: 'solution'"): what a stop or a check names.
+    # The first failure of the latest call that failed, one line ("KeyError: 'solution'"):
+    # what a stop or a check names.
     last_error: str | None = field(default=None, repr=False)
     _logged: bool = field(default=False, repr=False)
     _late: threading.Thread | None = field(default=None, repr=False)
@@ -71,7 +72,8 @@ class RewardFunction:
                 f = math.nan
             if not math.isfinite(f):
                 errors += 1
-                self.last_error = f"returned {v!r} for a sample (not a finite number)"
+                if errors == 1:  # the call's first failure
+                    self.last_error = f"returned {v!r} for sample {i} (not a finite number)"
                 self._log_once(f"reward {self.name!r} gave {v!r} for sample {i}; using fallback")
                 f = self.fallback
             out.append(f)
