@@ -35,7 +35,8 @@ def split_config(mode: str, loss_type: str, out: Path, accumulation: int):
             "trainer.rollout_split=replicated",
             "trainer.beta=0.05",
             "trainer.learning_rate=1e-3",
-            "trainer.ddp_bucket_mb=0.05",  # ~40 buckets: their order and overlap are exercised
+            # ddp: ~40 buckets, their order and overlap exercised (fsdp has no buckets)
+            *(["trainer.ddp_bucket_mb=0.05"] if mode == "ddp" else []),
         ],
     )
 

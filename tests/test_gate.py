@@ -2,6 +2,7 @@
 failure, unless --skip-preflight (which leaves a warning in the log and the run directory)."""
 
 import json
+import re
 from pathlib import Path
 
 from grpolab.cli import main
@@ -22,20 +23,46 @@ def test_train_runs_the_preflight_first(tmp_path, capsys):
     report = json.loads((out / "preflight.json").read_text())
     assert report["passed"] is True
     assert {c["id"] for c in report["checks"]} >= {"clip.asymmetric", "logprobs.fused_vs_naive"}
-    assert "preflight: all" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "preflight: all" in printed
+    # One line per group of checks as it starts, with the time so far: a real model's
+    # preflight takes minutes.
+    groups = re.findall(r"^preflight +(\d+\.\d) s  (\S.*)$", printed, re.MULTILINE)
+    assert len(groups) >= 4 and groups[0][1].startswith("sampling 8 prompts x 4")
+    assert any(doing.startswith("the reward probes") for _, doing in groups)
+    seconds = [float(t) for t, _ in groups]
+    assert seconds == sorted(seconds)
+    assert groups[-1][1].startswith("the worst-case memory")
 
 
-def test_a_failing_check_refuses_to_start(tmp_path, capsys):
+def test_a_failing_check_refuses_to_start_and_leaves_output_dir_as_it_was(tmp_path, capsys):
     out = tmp_path / "bad"
-    code = main(["train", "--impl", str(MUTANTS / "eps_swapped.py"), f"output_dir={out}", *TINY])
-    assert code == 1
+    args = ["train", "--impl", str(MUTANTS / "eps_swapped.py"), f"output_dir={out}", *TINY]
+    assert main(args) == 1
     err = capsys.readouterr().err
     assert "clip.asymmetric" in err and "--skip-preflight" in err
-    report = json.loads((out / "preflight.json").read_text())
+    assert f"output_dir={out} is as it was" in err
+    assert not out.exists()  # not a file written: the same command may run again
+    details = re.search(r"Details in (\S+\.json);", err).group(1)
+    report = json.loads(Path(details).read_text())
     failed = {c["id"] for c in report["checks"] if not c["passed"]}
     assert "clip.asymmetric" in failed
-    assert not (out / "metrics.jsonl").exists()  # not a single step ran
-    assert not list(out.glob("checkpoint-*"))
+    Path(details).unlink()
+    assert main(args) == 1  # again, and not "holds another run"
+    assert "holds another run" not in capsys.readouterr().err
+
+
+def test_a_failed_start_with_overwrite_keeps_the_run_it_would_replace(tmp_path, capsys):
+    out = tmp_path / "kept"
+    assert main(["train", f"output_dir={out}", *TINY, "--skip-preflight"]) == 0
+    before = sorted(p.name for p in out.iterdir())
+    impl = str(MUTANTS / "eps_swapped.py")
+    assert main(["train", "--impl", impl, "--overwrite", f"output_dir={out}", *TINY]) == 1
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert (out / "checkpoint-1" / "COMPLETE").is_file()
+    for line in capsys.readouterr().err.splitlines():
+        if "Details in" in line:
+            Path(re.search(r"Details in (\S+\.json);", line).group(1)).unlink()
 
 
 def test_skip_preflight_trains_with_a_warning(tmp_path, capsys):

@@ -137,6 +137,42 @@ def test_an_interrupt_stops_after_the_step_with_a_checkpoint_and_resumes(tmp_pat
     assert [r["step"] for r in metric_rows(out)] == list(range(1, step + 2))
 
 
+def test_ctrl_c_during_the_preflight_leaves_output_dir_as_it_was(tmp_path):
+    out = tmp_path / "run"
+    args = ["train", f"output_dir={out}", "max_steps=2", *RUN]  # the preflight runs first
+    proc = grpolab(*args)
+    deadline = time.time() + 300
+    while "preflight " not in proc.stdout.readline():  # its first group has started
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    rc, _, err = finish(proc)
+    assert rc == 130, err
+    assert one_line_error(err) == (
+        "grpolab: interrupted while running the preflight, before training started; nothing "
+        f"was written (output_dir={out} is as it was)"
+    )
+    assert not out.exists()
+    rc, _, err = finish(grpolab(*args))  # the same command again, no --overwrite needed
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.0, 2.5])
+def test_ctrl_c_at_any_moment_ends_in_one_line_without_a_traceback(tmp_path, delay):
+    # 0.3 s: Python's imports; later: the model, the preflight, the first steps, whatever
+    # this machine's speed puts there. Every moment ends the same way.
+    out = tmp_path / "run"
+    proc = grpolab("train", f"output_dir={out}", "max_steps=40", *RUN)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    rc, _, err = finish(proc)
+    assert rc == 130, err
+    line = one_line_error(err)
+    if out.exists():  # training had started: stopped after a step, with its checkpoint
+        assert "stopped after step" in line and latest_checkpoint(out) is not None, line
+    else:
+        assert line.startswith("grpolab: interrupted"), line
+
+
 # --- Damaged files -----------------------------------------------------------------------------
 
 

@@ -118,6 +118,16 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_step(path: str | Path) -> int | None:
+    """The step a checkpoint holds: its COMPLETE marker's, else its name's (checkpoint-N)."""
+    path = Path(path)
+    try:
+        return int(json.loads((path / COMPLETE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        match = CHECKPOINT_RE.match(path.name)
+        return int(match.group(1)) if match else None
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     found = list_checkpoints(output_dir)
     return found[-1] if found else None

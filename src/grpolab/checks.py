@@ -10,6 +10,7 @@ drill) with any of them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable
@@ -1272,10 +1273,15 @@ def check_reward_probes(report: ProbeReport):
         if failed:  # a function that fails on the probes cannot be asked anything
             name, n = next(iter(failed.items()))
             bad_rows = rows
-            what = (
-                f"reward {name!r} failed on {n} of {len(report.probes)} probes (its first error "
-                "is in the log)"
+            error = report.error_texts.get(name, "its error is in the log")
+            what = f"reward {name!r} failed on {n} of {len(report.probes)} probes: {error}"
+            yield dataclasses.replace(
+                _result(id, 0, what, bad_rows, f"0 of {rows}", False),
+                hint=f"the reward function {name!r} fails on real task rows: fix it (the first "
+                "failure's traceback is in the log); a failing reward gives every sample the "
+                "fallback (rewards.fallback)",
             )
+            continue
         elif findings:
             more = f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""
             what = f"rows where {breach}; first: {findings[0].sentence()}{more}"

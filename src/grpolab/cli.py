@@ -26,7 +26,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from grpolab.config import ConfigError, load_config
     from grpolab.monitors import MonitorStop, NonFiniteError
     from grpolab.preflight import PreflightFailed
-    from grpolab.trainer import Interrupted, train
+    from grpolab.trainer import Interrupted, RewardsFailing, train
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -39,7 +39,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             skip_preflight=args.skip_preflight,
             allow_config_change=args.allow_config_change,
         )
-    except PreflightFailed as e:
+    except (PreflightFailed, RewardsFailing) as e:
         _fail(str(e))
         return 1
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
@@ -71,8 +71,9 @@ def chosen_functions(cfg, impl_path: str | None):
 def cmd_preflight(args: argparse.Namespace) -> int:
     """Exit 0 when every check passes, 1 when any fails, 2 on a usage or config error."""
     from rich.console import Console
+    from rich.markup import escape
 
-    from grpolab.config import ConfigError, load_config
+    from grpolab.config import ConfigError, load_config, load_notes
     from grpolab.jsonout import print_json
     from grpolab.preflight import preflight, print_results, results_json
 
@@ -87,7 +88,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
             from grpolab.functions import load_episode_impl
 
             episode_functions = load_episode_impl(args.impl)
-        results = preflight(cfg, functions, episode_functions)
+        for note in load_notes(cfg):
+            console.print(f"note: {escape(note)}")
+        results = preflight(cfg, functions, episode_functions, console)
     except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
         print(f"grpolab preflight: error: {one_line(str(e))}", file=sys.stderr)
         return 2
@@ -99,7 +102,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from grpolab.config import ConfigError, load_config
+    """A checkpoint of a run is evaluated on the run's own task and config (its config.yaml,
+    under --config, --task and the overrides)."""
+    from grpolab.config import ConfigError, load_config, load_notes
     from grpolab.trainer import run_eval
 
     overrides = list(args.overrides)
@@ -108,11 +113,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.task:
         overrides.append(f"task.name={args.task}")
     try:
-        cfg = load_config(args.config, overrides)
+        run_config = trained_with(args.model)
+        cfg = load_config(args.config, overrides, base=run_config)
+        if run_config is not None:
+            print(f"evaluating {args.model} with the config it was trained with ({run_config})")
+        for note in load_notes(cfg):
+            print(f"note: {note}")
         run_eval(cfg, args.examples, args.pass_at_k, args.samples, args.temperature)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         return _fail(str(e))
     return 0
+
+
+def trained_with(model: str | None):
+    """The config a grpolab checkpoint was trained with: its own config.yaml, else its run
+    directory's; None for any other model."""
+    from pathlib import Path
+
+    from grpolab.checkpoint import COMPLETE, RUN_CONFIG
+
+    if not model or not (Path(model) / COMPLETE).is_file():
+        return None
+    for path in (Path(model) / RUN_CONFIG, Path(model).parent / "config.yaml"):
+        if path.is_file():
+            return path
+    return None
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -178,8 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="held-out accuracy (and pass@k) of a model")
     ev.add_argument("--model", help="model directory or hub id (default: the demo model)")
-    ev.add_argument("--task", help="task name (default: arithmetic)")
-    ev.add_argument("--config", help="YAML config file for the task/rollout sections")
+    ev.add_argument(
+        "--task", help="task name (default: a checkpoint's own run's, else arithmetic)"
+    )
+    ev.add_argument(
+        "--config",
+        help="YAML config file for the task/rollout sections (over a checkpoint's own run's)",
+    )
     ev.add_argument("--examples", type=int, default=None, help="held-out problems (default all)")
     ev.add_argument("--pass-at-k", type=int, default=None, metavar="K", help="also pass@K")
     ev.add_argument("--samples", type=int, default=None, help="samples per problem for pass@k")
@@ -261,6 +291,15 @@ def _subcommand_parser(parser: argparse.ArgumentParser, name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Ctrl-C at any moment, imports and model loading included, ends in one line (130)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("grpolab: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     from grpolab.jsonout import json_stdout
     from grpolab.memory import limit_heap_retention
 
@@ -271,9 +310,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with json_stdout(getattr(args, "json", False)):  # --json: stdout holds the JSON alone
             return args.func(args)
-    except KeyboardInterrupt:
-        print("grpolab: interrupted", file=sys.stderr)
-        return 130
     except Exception as err:  # a failure no command anticipated: one line, not a traceback
         if os.environ.get("GRPOLAB_TRACEBACK"):
             raise

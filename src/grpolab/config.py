@@ -8,7 +8,9 @@ Every error names the key, the value and what was expected, on one line.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,8 @@ from grpolab.core import (
     Objective,
 )
 from grpolab.functions import LOGPROB_PATHS
-from grpolab.rewards import RewardsConfig  # each section lives with its module
+from grpolab.models import PACKAGED_MODELS
+from grpolab.rewards import BUILTIN_REWARDS, RewardsConfig  # each section lives with its module
 from grpolab.rollout import ENGINES, RolloutConfig
 from grpolab.tasks import TaskConfig
 
@@ -136,6 +139,9 @@ class TrainerConfig:
     log_completions_steps: int = 25  # sample completions to completions.jsonl; 0 = never
     log_completions_count: int = 4
     max_consecutive_nonfinite: int = 3  # stop after this many skipped steps in a row
+    # Stop (with a checkpoint) when a reward function has failed on every sample of this many
+    # steps in a row: its rewards are all the fallback, so GRPO learns nothing from it.
+    max_consecutive_reward_failures: int = 3
     # Runtime monitors (grpolab.monitors): warn (default), stop (checkpoint, then exit) or off.
     monitor: str = "warn"
     monitor_clip_frac_max: float = 0.3
@@ -240,42 +246,98 @@ OBJECTIVE_TRAINER_KEYS = (
 # --- Loading ----------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults (the demo's) <- the YAML file at `path` <- `section.key=value` overrides,
-    merged key by key with OmegaConf's typed merge (a key left out keeps the value below it:
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    base: str | Path | None = None,
+) -> Config:
+    """Defaults (the demo's) <- a run's config at `base` (`grpolab eval` of a checkpoint) <-
+    the YAML file at `path` <- `section.key=value` overrides, merged key by key with
+    OmegaConf's typed merge (a key left out keeps the value below it:
     rollout.max_completion_length stays 6 when only rollout.temperature is given); then
-    validated. Every error is one line naming the key."""
+    validated. Every error is one line naming the key.
+
+    A key that would have no effect in the configured setup is refused (`INERT`), unless a
+    later layer made it so (a file's vLLM key under an override rollout.engine=hf): then it
+    yields to that choice, as a profile's convention yields to a key it conflicts with, and
+    `load_notes(cfg)` says so."""
     schema = OmegaConf.structured(Config)
-    layers = [schema]
-    if path is not None:
-        layers.append(_file_layer(Path(path)))
-    layers += [_override_layer(item, schema) for item in overrides or []]
+    layers: list[tuple[str | None, DictConfig]] = []
+    for file in (base, path):
+        if file is not None:
+            layers.append((f"config file {str(file)!r}", _file_layer(Path(file))))
+    layers += [(None, _override_layer(item, schema)) for item in overrides or []]
+    merged = schema
+    for where, layer in layers:  # one at a time: an error names the file it came from
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            message = _describe(e, schema)
+            raise ConfigError(f"{where}: {message}" if where else message) from None
     try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(*layers))
+        cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_describe(e, schema)) from None
-    apply_profile(cfg, _explicit_trainer_keys(layers[1:]))
-    validate(cfg)
+    # The run's config, the file, the overrides: the overrides are one layer (any order).
+    given = _given_keys([(where or "overrides", layer) for where, layer in layers])
+    notes = apply_profile(cfg, {k.partition(".")[2] for k in given if k.startswith("trainer.")})
+    notes += check_batch_keys(cfg, given)
+    validate_values(cfg)
+    notes += yield_or_refuse_inert(cfg, given)
+    validate_objective(cfg)
+    cfg.__dict__[NOTES] = notes
     return cfg
 
 
-def apply_profile(cfg: Config, explicit: set[str] = frozenset()) -> None:
+NOTES = "_load_notes"  # what loading set aside, kept on the instance (not a config key)
+
+
+def load_notes(cfg: Config) -> list[str]:
+    """What load_config set aside: a profile's convention or a file's key that yielded to a
+    key given later, one line each (the run's log and the objective card print them)."""
+    return list(cfg.__dict__.get(NOTES, []))
+
+
+# A profile's convention that an explicitly given key makes meaningless is not applied:
+# (the convention, when it yields, why). The same value given explicitly stays an error.
+PROFILE_YIELDS = (
+    ("dual_clip", lambda t: t.loss_type == "cispo", "CISPO has no clipped surrogate to bound"),
+    ("delta", lambda t: t.loss_type == "cispo", "CISPO has no clipped surrogate to bound"),
+)
+
+
+def apply_profile(cfg: Config, explicit: set[str] = frozenset()) -> list[str]:
     """Each convention of trainer.profile onto the trainer keys not in `explicit` (the keys
-    the file or an override gave)."""
+    the file or an override gave), except those a given key conflicts with (PROFILE_YIELDS);
+    returns a note for each of those."""
     t = cfg.trainer
     _need(t.profile in PROFILES, "trainer.profile", t.profile, f"one of {list(PROFILES)}")
+    notes = []
     for key, value in PROFILES[t.profile].items():
-        if key not in explicit:
-            setattr(t, key, value)
+        if key in explicit:
+            continue
+        why = next((why for k, when, why in PROFILE_YIELDS if k == key and when(t)), None)
+        if why is not None and value != getattr(TrainerConfig(), key):
+            notes.append(
+                f"profile {t.profile}'s {key}={value!r} not applied: trainer.loss_type="
+                f"{t.loss_type} ({why})"
+            )
+            continue
+        setattr(t, key, value)
+    return notes
 
 
-def _explicit_trainer_keys(layers: list[DictConfig]) -> set[str]:
-    keys: set[str] = set()
-    for layer in layers:
-        trainer = layer.get("trainer") if isinstance(layer, DictConfig) else None
-        if isinstance(trainer, DictConfig):
-            keys |= set(trainer.keys())
-    return keys
+def _given_keys(layers: list[tuple[str, DictConfig]]) -> dict[str, int]:
+    """{dotted key: the level of the last layer that gave it}, a level per distinct source
+    (a file, or all the overrides together)."""
+    given: dict[str, int] = {}
+    levels: dict[str, int] = {}
+    for where, layer in layers:
+        level = levels.setdefault(where, len(levels))
+        tree = OmegaConf.to_container(layer)
+        for key in flatten(tree if isinstance(tree, dict) else {}):
+            given[key] = level
+    return given
 
 
 def _file_layer(path: Path) -> DictConfig:
@@ -371,9 +433,12 @@ def _describe(error: OmegaConfBaseException, schema: DictConfig | None = None) -
     key = getattr(error, "full_key", None) or ""
     message = (getattr(error, "msg", None) or str(error)).strip().splitlines()[0]
     if isinstance(error, ConfigKeyError) and schema is not None and key:
-        section = key.rpartition(".")[0]
+        section, _, name = key.rpartition(".")
         node = OmegaConf.select(schema, section) if section else schema
-        valid = list(node.keys()) if isinstance(node, DictConfig) else []
+        valid = [str(k) for k in node] if isinstance(node, DictConfig) else []
+        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+        if close:
+            return f"unknown key {key}: did you mean {section + '.' if section else ''}{close[0]}?"
         return f"unknown key {key}; valid keys in {section or 'config'}: {valid}"
     return f"{key}: {message}" if key else message
 
@@ -388,6 +453,20 @@ def _need(ok: bool, key: str, value: Any, expected: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Cross-field checks: the impossible combinations, each named by its key."""
+    validate_values(cfg)
+    validate_objective(cfg)
+
+
+def validate_objective(cfg: Config) -> None:
+    """What the individual checks cannot see: the objective record as a whole."""
+    try:
+        cfg.objective  # noqa: B018
+    except ValueError as e:
+        raise ConfigError(f"trainer: {e}") from None
+
+
+def validate_values(cfg: Config) -> None:
+    """Each key's value, and the combinations that cannot run, named by the key."""
     t = cfg.trainer
     _need(cfg.max_steps >= 0, "max_steps", cfg.max_steps, "an integer >= 0")
     _need(bool(cfg.output_dir), "output_dir", cfg.output_dir, "a directory path")
@@ -501,6 +580,12 @@ def validate(cfg: Config) -> None:
         t.max_consecutive_nonfinite,
         "an integer >= 1",
     )
+    _need(
+        t.max_consecutive_reward_failures >= 1,
+        "trainer.max_consecutive_reward_failures",
+        t.max_consecutive_reward_failures,
+        "an integer >= 1",
+    )
     _need(t.monitor in ("warn", "stop", "off"), "trainer.monitor", t.monitor, "warn, stop or off")
     _need(t.autocast in ("off", "bf16"), "trainer.autocast", t.autocast, "off or bf16")
     if t.tis_cap is not None:
@@ -551,10 +636,195 @@ def validate(cfg: Config) -> None:
         f"an integer >= rollout.max_completion_length ({mcl}), or null",
     )
     _need(r.tool_timeout > 0, "rollout.tool_timeout", r.tool_timeout, "a number of seconds > 0")
-    try:  # what the individual checks above cannot see: the record as a whole
-        cfg.objective  # noqa: B018
-    except ValueError as e:
-        raise ConfigError(f"trainer: {e}") from None
+
+
+# --- Keys without effect ---------------------------------------------------------------------
+
+
+def check_batch_keys(cfg: Config, given: dict[str, int]) -> list[str]:
+    """trainer.generation_batch_size sets prompts_per_step: both given, they must agree,
+    unless prompts_per_step came from an earlier layer (a file's, under an override
+    generation_batch_size): then it yields, and the note says so."""
+    t = cfg.trainer
+    gbs, pps = "trainer.generation_batch_size", "trainer.prompts_per_step"
+    batch = t.prompts_per_step * t.num_generations
+    if t.generation_batch_size is None or pps not in given or t.generation_batch_size == batch:
+        return []
+    why = (
+        f"{gbs}={t.generation_batch_size} and {pps}={t.prompts_per_step} disagree (with "
+        f"num_generations={t.num_generations} that batch is {batch})"
+    )
+    if given[pps] >= given.get(gbs, -1):
+        raise ConfigError(f"{why}: give one of them")
+    return [f"{why}: {pps} not applied ({gbs} set afterwards)"]
+
+
+@dataclass(frozen=True)
+class Inert:
+    """`keys` have no effect when `when(cfg)` holds, which `causes` decide; `why` (formatted
+    with the config as c) says why, after "has no effect"."""
+
+    keys: tuple[str, ...]
+    causes: tuple[str, ...]
+    when: Callable[[Config], bool]
+    why: str
+
+
+def _local_file(path: str | None) -> bool:
+    return bool(path) and (Path(path).suffix.lower() in (".jsonl", ".json", ".parquet")
+                           or Path(path).expanduser().exists())  # fmt: skip
+
+
+def _gguf_source(m: ModelConfig) -> bool:
+    name = m.name_or_path or ""
+    return name in PACKAGED_MODELS or bool(m.gguf_file) or name.lower().endswith(".gguf")
+
+
+VLLM_KEYS = tuple(f"rollout.{f.name}" for f in dataclasses.fields(RolloutConfig)
+                  if f.name.startswith("vllm_"))  # fmt: skip
+MONITOR_KEYS = tuple(f"trainer.{f.name}" for f in dataclasses.fields(TrainerConfig)
+                     if f.name.startswith("monitor_"))  # fmt: skip
+LORA_KEYS = ("trainer.lora_alpha", "trainer.lora_dropout", "trainer.lora_target_modules")
+ARITHMETIC_KEYS = ("task.min_operand", "task.max_operand", "task.operators")
+FILE_TASK_KEYS = ("task.path", "task.eval_path", "task.subset", "task.split", "task.eval_split",
+                  "task.prompt_field", "task.answer_field")  # fmt: skip
+ADVANTAGE_CAUSES = ("trainer.advantage_estimator", "trainer.scale_rewards",
+                    "trainer.zero_std_guard", "trainer.dynamic_sampling")  # fmt: skip
+
+# Every key that some setting of others turns into a no-op. The keys not listed act in every
+# setup (see docs/ARCHITECTURE.md, "Keys without effect", for the ones left out and why).
+INERT = (
+    Inert(VLLM_KEYS, ("rollout.engine",), lambda c: c.rollout.engine != "vllm",
+          "with rollout.engine={c.rollout.engine}: it configures the vLLM engine"),
+    Inert(("rollout.shared_prefill",), ("rollout.engine",), lambda c: c.rollout.engine == "vllm",
+          "with rollout.engine=vllm: it configures the hf engine's decode loop"),
+    Inert(("rollout.max_turns", "rollout.max_episode_tokens"),
+          ("rollout.tools", "rollout.environment"), lambda c: not c.rollout.episodic,
+          "without rollout.tools or rollout.environment: a single-turn rollout samples one "
+          "completion of at most rollout.max_completion_length tokens"),
+    Inert(("rollout.tools",), ("rollout.environment",), lambda c: bool(c.rollout.environment),
+          "with rollout.environment set: the environment answers the turns, not the tools"),
+    Inert(("rollout.tool_timeout",), ("rollout.tools", "rollout.environment"),
+          lambda c: not c.rollout.tools or bool(c.rollout.environment),
+          "without tools answering the turns: it bounds a tool call"),
+    Inert(("rewards.format_pattern",), ("rewards.functions",),
+          lambda c: "format" not in c.rewards.functions,
+          "without 'format' in rewards.functions: it is the format reward's pattern"),
+    Inert(("rewards.overlong_buffer",), ("rewards.functions",),
+          lambda c: "overlong" not in c.rewards.functions,
+          "without 'overlong' in rewards.functions: it is the overlong penalty's buffer"),
+    Inert(("rewards.timeout",), ("rewards.functions",),
+          lambda c: all(f in BUILTIN_REWARDS for f in c.rewards.functions),
+          "with built-in rewards only: it bounds the call of a user's function"),
+    Inert(("model.gguf_file",), ("model.name_or_path",), lambda c: c.model.name_or_path is None,
+          "with the built-in demo model (model.name_or_path unset)"),
+    Inert(("model.cache_dir",), ("model.name_or_path", "model.gguf_file"),
+          lambda c: not _gguf_source(c.model),
+          "with a model that is not a GGUF file: it is where GGUF models are kept de-quantised"),
+    Inert(ARITHMETIC_KEYS, ("task.name",), lambda c: c.task.name != "arithmetic",
+          "with task.name={c.task.name}: it shapes the generated arithmetic problems"),
+    Inert(FILE_TASK_KEYS, ("task.name",), lambda c: c.task.name == "arithmetic",
+          "with task.name=arithmetic: its problems are generated, not read from rows"),
+    Inert(("task.subset", "task.split", "task.eval_split"), ("task.path",),
+          lambda c: c.task.name != "arithmetic" and _local_file(c.task.path),
+          "with a local file as task.path: it picks a Hugging Face dataset's config or split "
+          "(a local held-out file is task.eval_path)"),
+    Inert(("task.system_prompt",), ("task.chat_template",), lambda c: not c.task.chat_template,
+          "with task.chat_template=false: a plain prompt has no system turn"),
+    Inert(("trainer.scale_rewards",), ("trainer.advantage_estimator",),
+          lambda c: c.trainer.advantage_estimator != "grpo",
+          "with trainer.advantage_estimator={c.trainer.advantage_estimator}: it scales GRPO's "
+          "advantages (rloo's are not scaled, reinforce_pp's are whitened over the batch)"),
+    Inert(("trainer.advantage_eps",), ADVANTAGE_CAUSES,
+          lambda c: (c.trainer.advantage_estimator != "grpo" or c.trainer.scale_rewards == "none")
+          and not c.trainer.zero_std_guard and not c.trainer.dynamic_sampling,
+          "here: nothing divides by a std (advantage_estimator={c.trainer.advantage_estimator}, "
+          "scale_rewards={c.trainer.scale_rewards}) and neither zero_std_guard nor "
+          "dynamic_sampling compares a group's std with it"),
+    Inert(("trainer.advantage_std",), ADVANTAGE_CAUSES,
+          lambda c: (c.trainer.advantage_estimator == "rloo" or (
+              c.trainer.advantage_estimator == "grpo" and c.trainer.scale_rewards == "none"))
+          and not c.trainer.zero_std_guard,
+          "here: no std is used (advantage_estimator={c.trainer.advantage_estimator}, "
+          "scale_rewards={c.trainer.scale_rewards}, zero_std_guard=false)"),
+    Inert(("trainer.epsilon",), ("trainer.loss_type",), lambda c: c.trainer.loss_type == "cispo",
+          "with trainer.loss_type=cispo: CISPO caps the ratio at epsilon_high alone"),
+    Inert(("trainer.dual_clip", "trainer.delta"), ("trainer.loss_type",),
+          lambda c: c.trainer.loss_type == "cispo",
+          "with trainer.loss_type=cispo: CISPO has no clipped surrogate for it to bound"),
+    Inert(("trainer.kl_estimator", "trainer.kl_clamp", "trainer.use_bias_correction_kl"),
+          ("trainer.beta",), lambda c: c.trainer.beta == 0,
+          "with trainer.beta=0: there is no KL term (set trainer.beta > 0 for one)"),
+    Inert(("trainer.dynamic_sampling_max_rounds",), ("trainer.dynamic_sampling",),
+          lambda c: not c.trainer.dynamic_sampling, "with trainer.dynamic_sampling=false"),
+    Inert(("trainer.tis_cap",), ("rollout.engine", "rollout.top_k", "rollout.top_p"),
+          lambda c: c.rollout.engine == "vllm" and (c.rollout.top_k > 0 or c.rollout.top_p < 1),
+          "with rollout.engine=vllm and top_k / top_p: vLLM returns no log-probs of the "
+          "untruncated distribution to weight against"),
+    Inert(("trainer.shared_prefix",), ("trainer.logprobs",),
+          lambda c: c.trainer.logprobs == "naive",
+          "with trainer.logprobs=naive: it is the fused path's (one forward per row here)"),
+    Inert(LORA_KEYS, ("trainer.lora_r",), lambda c: c.trainer.lora_r == 0,
+          "with trainer.lora_r=0 (full fine-tuning, no adapters)"),
+    Inert(("trainer.eval_steps", "trainer.eval_max_completion_length"),
+          ("trainer.eval_examples",), lambda c: c.trainer.eval_examples == 0,
+          "with trainer.eval_examples=0: no held-out evaluation runs"),
+    Inert(("trainer.eval_steps", "trainer.eval_examples", "trainer.eval_max_completion_length"),
+          ("task.num_eval", "task.eval_path", "task.eval_split"),
+          lambda c: c.task.num_eval == 0 and not (c.task.eval_path or c.task.eval_split),
+          "with task.num_eval=0: the task holds no held-out problems"),
+    Inert(("trainer.log_completions_count",), ("trainer.log_completions_steps",),
+          lambda c: c.trainer.log_completions_steps == 0,
+          "with trainer.log_completions_steps=0: no completions are logged"),
+    Inert(MONITOR_KEYS, ("trainer.monitor",), lambda c: c.trainer.monitor == "off",
+          "with trainer.monitor=off"),
+    Inert(("trainer.ddp_bucket_mb",), ("trainer.distributed",),
+          lambda c: c.trainer.distributed == "fsdp",
+          "with trainer.distributed=fsdp: it sizes DDP's gradient buckets"),
+)  # fmt: skip
+
+
+def baseline(cfg: Config, key: str) -> Any:
+    """What `key` holds when no file or override gives it: the profile's convention (unless
+    it yielded, PROFILE_YIELDS), else the default."""
+    section, _, name = key.partition(".")
+    if section == "trainer" and name in PROFILES.get(cfg.trainer.profile, {}):
+        yields = any(k == name and when(cfg.trainer) for k, when, _ in PROFILE_YIELDS)
+        if not yields:
+            return PROFILES[cfg.trainer.profile][name]
+    return _get(DEFAULTS, key)
+
+
+DEFAULTS = Config()
+
+
+def _get(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def yield_or_refuse_inert(cfg: Config, given: dict[str, int]) -> list[str]:
+    """Each given key that `INERT` says has no effect: refused (ConfigError) when it was given
+    in the same layer as what makes it inert or later; when a later layer made it inert (a
+    file's key, an override's choice), set back to its baseline (which changes nothing, by
+    definition) and noted. Values equal to the baseline are never refused."""
+    notes = []
+    for rule in INERT:
+        if not rule.when(cfg):
+            continue
+        for key in rule.keys:
+            value = _get(cfg, key)
+            if key not in given or value == baseline(cfg, key):
+                continue
+            why = "has no effect " + rule.why.format(c=cfg)
+            later = [c for c in rule.causes if given.get(c, -1) > given[key]]
+            if not later:
+                raise ConfigError(f"{key}={value!r} {why}; remove it")
+            section, _, name = key.partition(".")
+            setattr(getattr(cfg, section), name, baseline(cfg, key))
+            notes.append(f"{key}={value!r} not applied: it {why} ({later[0]} given after it)")
+    return notes
 
 
 # --- Output -----------------------------------------------------------------------------------
@@ -621,6 +891,7 @@ RESUME_FREE_KEYS = (
     "trainer.log_completions_steps",
     "trainer.log_completions_count",
     "trainer.max_consecutive_nonfinite",
+    "trainer.max_consecutive_reward_failures",
     "trainer.monitor",
     "trainer.monitor_clip_frac_max",
     "trainer.monitor_zero_std_max",

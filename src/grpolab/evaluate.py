@@ -9,7 +9,7 @@ gamed.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +73,10 @@ def evaluate_greedy(
     rewards: Rewards,
     max_completion_length: int,
     batch_size: int = 500,
+    on_batch: Callable[[int], None] | None = None,
 ) -> HeldOutAccuracy:
-    """Greedy reward-based and strict accuracy, in percent, on `examples`."""
+    """Greedy reward-based and strict accuracy, in percent, on `examples`; on_batch(done):
+    called after each batch with the problems evaluated so far."""
     hits = strict = 0
     params = SamplingParams(temperature=0.0, max_completion_length=max_completion_length)
     for s in range(0, len(examples), batch_size):
@@ -82,6 +84,8 @@ def evaluate_greedy(
         rollout = engine.generate([e.prompt for e in chunk], 1, params)
         hits += int(correct(rollout.completions, chunk, rewards).sum())
         strict += int(strict_correct(rollout.completions, [e.answer for e in chunk]).sum())
+        if on_batch is not None:
+            on_batch(s + len(chunk))
     n = max(1, len(examples))
     return HeldOutAccuracy(100.0 * hits / n, 100.0 * strict / n)
 
@@ -114,8 +118,10 @@ def evaluate_pass_at_k(
     temperature: float = 1.0,
     seed: int = 0,
     batch_prompts: int = 64,
+    on_batch: Callable[[int], None] | None = None,
 ) -> float:
-    """pass@k in percent from n >= k samples per problem at `temperature`."""
+    """pass@k in percent from n >= k samples per problem at `temperature`; on_batch(done):
+    called after each batch with the problems evaluated so far."""
     n = n or k
     if n < k:
         raise ValueError(f"pass@k needs n >= k samples, got n={n}, k={k}")
@@ -129,4 +135,6 @@ def evaluate_pass_at_k(
         per_sample = [e for e in chunk for _ in range(n)]
         hits = correct(rollout.completions, per_sample, rewards).view(-1, n).sum(1)  # [prompts]
         total += sum(pass_at_k_estimate(n, int(c), k) for c in hits)
+        if on_batch is not None:
+            on_batch(s + len(chunk))
     return 100.0 * total / max(1, len(examples))

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import resource
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -409,21 +410,32 @@ def longest_prompt_tokens(run: Run, limit: int = 10_000) -> int:
     return max(len(ids) for ids in encoded)
 
 
-def run_preflight(run: Run) -> list[CheckResult]:
-    """Every check on the run's model, its core functions and a real batch."""
+def run_preflight(run: Run, progress=None) -> list[CheckResult]:
+    """Every check on the run's model, its core functions and a real batch. progress(text):
+    told what each group of checks does as it starts (PreflightProgress)."""
     cfg, model, functions = run.cfg, run.model, run.functions
+    say = progress or (lambda doing: None)
     transformers.utils.logging.disable_progress_bar()
     s = settings_from_config(cfg)
+    G = cfg.trainer.num_generations
+    say(f"sampling {max(2, PREFLIGHT_ROWS // G)} prompts x {G} from the task "
+        f"(up to {cfg.rollout.episode_budget()} tokens each) and scoring them")  # fmt: skip
     batch, _ = sample_batch(run)
+    say(f"the checks of goals 1-7 on the {batch.input_ids.shape[0]} sampled rows")
     results = checks.run_checks(model, batch, s, functions)
     flat = [i for i, r in enumerate(results) if r.id == "rewards.variance" and not r.passed]
+    if flat:
+        say("rewards.variance on a whole step's prompts (the sampled groups were all flat)")
     if flat and (over_a_step := reward_variance_over_a_step(run, batch)) is not None:
         results[flat[0]] = over_a_step
     if getattr(run.engine, "episodes", None) is not None:
+        say("the episode checks on probe episodes")
         results += episode_results(run, s)
+    say(f"the reward probes on real task rows ({', '.join(fn.name for fn in run.rewards)})")
     report = run_probes(probe_rows(run.task), run.rewards, run.tokenizer)
     results += list(checks.check_reward_probes(report))
     with eval_mode(model, zero_grad=True):
+        say("log-probs and gradients against a float64 copy of the model")
         model64 = float64_copy(model)  # both gradient checks' reference
         if cfg.trainer.logprobs == "fused":
             results += checks.guarded(
@@ -437,6 +449,8 @@ def run_preflight(run: Run) -> list[CheckResult]:
         del model64
         if functions.path is None:  # memory of grpolab's own path; a learner's is not sized
             prompt_tokens = longest_prompt_tokens(run)
+            say(f"the worst-case memory: {run.plan.micro} rows of {prompt_tokens} + "
+                f"{cfg.rollout.episode_budget()} tokens, forward and backward")  # fmt: skip
             results += checks.guarded(
                 functions, ("memory.worst_case",), 0, check_worst_case_memory, functions, run,
                 cfg,
@@ -446,18 +460,24 @@ def run_preflight(run: Run) -> list[CheckResult]:
 
 
 def preflight(
-    cfg: Config, functions: CoreFunctions | None = None, episode_functions=None
+    cfg: Config,
+    functions: CoreFunctions | None = None,
+    episode_functions=None,
+    console: Console | None = None,
 ) -> list[CheckResult]:
     """`grpolab preflight`: build the configured run (model, engine, task, rewards) and run
     every check on it. `functions`: the table to check (default: the trainer's);
-    `episode_functions`: the episode functions to check (a run with tools)."""
+    `episode_functions`: the episode functions to check (a run with tools); `console`: where
+    each group of checks is announced as it starts (None: silent)."""
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
+    progress = PreflightProgress(console)
+    progress("loading the model")
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
     run = build_run(cfg, model, tokenizer, functions=functions)
     if episode_functions is not None and getattr(run.engine, "episodes", None) is not None:
         run.engine.episodes.functions = episode_functions
-    return run_preflight(run)
+    return run_preflight(run, progress)
 
 
 # --- Showing the results ------------------------------------------------------------------------
@@ -516,32 +536,50 @@ SKIP_WARNING = (
 )
 
 
-def preflight_gate(run: Run, output_dir: Path, console: Console, skip: bool = False) -> None:
-    """Run every check on the run's model, core functions and a real batch before step 1;
-    write preflight.json; raise PreflightFailed if one fails. The global RNG state is left as
-    found, so a resumed run stays bit-exact."""
+def preflight_gate(run: Run, console: Console, skip: bool = False) -> str:
+    """Run every check on the run's model, core functions and a real batch before step 1,
+    printing each group as it starts; returns preflight.json's text for the run directory.
+    Raises PreflightFailed if a check fails, with the results written to a file of their
+    own (the run directory is left as it was). The global RNG state is left as found, so a
+    resumed run stays bit-exact."""
     if skip:
         console.print(f"[bold yellow]warning:[/bold yellow] {SKIP_WARNING}")
-        record = {"skipped": True, "warning": SKIP_WARNING}
-        (output_dir / "preflight.json").write_text(json.dumps(record, indent=2) + "\n")
-        return
-    tic = time.perf_counter()
+        return json.dumps({"skipped": True, "warning": SKIP_WARNING}, indent=2) + "\n"
+    progress = PreflightProgress(console)
     device = next(run.model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        results = run_preflight(run)
-    write_results(results, output_dir / "preflight.json", run.functions)
+        results = run_preflight(run, progress)
+    record = results_json(results, run.functions) + "\n"
     failed = [r for r in results if not r.passed]
     if failed:
         print_results(results, console, run.functions)
+        fd, details = tempfile.mkstemp(prefix="grpolab-preflight-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(record)
         ids = ", ".join(r.id for r in failed)
         raise PreflightFailed(
             f"preflight: {len(failed)} of {len(results)} checks failed ({ids}); training did not "
-            f"start. Details in {output_dir / 'preflight.json'}; --skip-preflight overrides"
+            f"start and output_dir={run.cfg.output_dir} is as it was. Details in {details}; "
+            "--skip-preflight overrides"
         )
-    console.print(
-        f"preflight: all {len(results)} checks pass ({time.perf_counter() - tic:.1f} s, "
-        f"{output_dir / 'preflight.json'})"
-    )
+    console.print(f"preflight: all {len(results)} checks pass ({progress.elapsed():.1f} s)")
+    return record
+
+
+class PreflightProgress:
+    """One line per group of checks as it starts, with the time since the first: a
+    preflight on a real model takes minutes."""
+
+    def __init__(self, console: Console | None):
+        self.console = console
+        self.tic = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.tic
+
+    def __call__(self, doing: str) -> None:
+        if self.console is not None:
+            self.console.print(f"preflight {self.elapsed():6.1f} s  {escape(doing)}")
 
 
 def write_results(results: list[CheckResult], path: Path, impl: CoreFunctions) -> None:

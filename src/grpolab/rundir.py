@@ -40,6 +40,11 @@ def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
     """Raise OutputDirError (FileExistsError when it holds another run) unless the run may
     use `output_dir`; writes nothing."""
     where = f"output_dir={str(output_dir)!r}"
+    if resume and overwrite:
+        raise OutputDirError(
+            "--resume and --overwrite contradict each other: --resume continues the run in "
+            f"{where}, --overwrite deletes it and starts over; pass one of them"
+        )
     if output_dir.exists() and not output_dir.is_dir():
         raise OutputDirError(f"{where} is a file, not a directory")
     if resume and not output_dir.is_dir():

@@ -25,6 +25,7 @@ from grpolab.functions import core_functions
 from grpolab.models import load_policy, resolve_model_source
 from grpolab.rewards import Rewards, load_rewards
 from grpolab.rollout import build_engine
+from grpolab.rollout.common import longest_prompt
 from grpolab.tasks import Task, load_task
 
 DEMO_MODEL_DIR = Path(__file__).parent / "data" / "demo-warmup"
@@ -157,13 +158,15 @@ def build_run(
         optimizer, lr_lambda(t.lr_scheduler, t.warmup_steps, total_updates)
     )
     engine = task_engine(cfg, model, tokenizer)
+    task = load_task(cfg.task)
+    check_context_fits(cfg, engine, task)
     return Run(
         cfg=cfg,
         model=model,
         tokenizer=tokenizer,
         ref_model=ref_model,
         engine=engine,
-        task=load_task(cfg.task),
+        task=task,
         rewards=load_rewards(
             cfg.rewards, task=cfg.task, max_completion_length=cfg.rollout.max_completion_length
         ),
@@ -220,6 +223,38 @@ def task_engine(cfg: Config, model: torch.nn.Module, tokenizer, model_path: str 
         system_prompt=cfg.task.system_prompt,
         model_path=model_path,
     )
+
+
+def check_context_fits(cfg: Config, engine, task: Task) -> None:
+    """At load, not at the first rollout: the longest prompt with the tokens sampled after it
+    (training: max_completion_length, an episode's budget; evaluation: its own length) must
+    fit the engine's context, or a one-line error names the key, the prompt and the context."""
+    r, t = cfg.rollout, cfg.trainer
+    if r.episodic:
+        train_key = "rollout.max_episode_tokens" + ("" if r.max_episode_tokens else " (default)")
+    else:
+        train_key = "rollout.max_completion_length"
+    eval_key = "trainer.eval_max_completion_length"
+    if t.eval_max_completion_length is None:
+        eval_key = "rollout.max_completion_length"
+    eval_length = t.eval_max_completion_length or r.max_completion_length
+    held_out = task.eval[: t.eval_examples]
+    for key, room, rows, kind in (
+        (train_key, r.episode_budget(), task.train, "train"),
+        (eval_key, eval_length, held_out, "held-out"),
+    ):
+        found = longest_prompt(engine, [e.prompt for e in rows], room)
+        if found is None or found[1] + room <= engine.context_length:
+            continue
+        at, tokens = found
+        context = "vLLM's max_model_len" if r.engine == "vllm" else "max_position_embeddings"
+        prompt = rows[at].prompt
+        shown = repr(prompt if len(prompt) <= 40 else prompt[:37] + "...")
+        raise ValueError(
+            f"{key}={room}: the longest prompt ({kind} row {at}, {shown}) is {tokens} tokens, and "
+            f"{tokens} + {room} exceeds the model's context of {engine.context_length} tokens "
+            f"({context}); at most {engine.context_length - tokens} fit"
+        )
 
 
 def check_functions_support(functions: CoreFunctions, cfg: Config) -> None:

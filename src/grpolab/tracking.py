@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -137,6 +138,11 @@ class Tracker:
         for key, label, fmt in CONSOLE_FIELDS:
             if key in metrics:
                 parts.append(f"{label} {metrics[key]:{fmt}}")
+        failed = {k.partition("/")[2]: v for k, v in metrics.items()
+                  if k.startswith("reward_errors/") and v}  # fmt: skip
+        if failed:  # samples that got the fallback reward, per function
+            listed = ", ".join(f"{name} {n:g}" for name, n in failed.items())
+            parts.append(f"[red]reward errors: {escape(listed)}[/red]")
         if metrics.get("skipped"):
             parts.append("[red]SKIPPED (non-finite)[/red]")
         return "  ".join(parts)

@@ -2,6 +2,7 @@
 
     session = start(cfg, ...)      # device, ranks, run directory, model, run, resume
     gate(session, ...)             # the preflight on this model and a real batch
+    commit(session)                # only now is the run directory written
     steps(session)                 # grpo_step, monitors, evaluation, logs, checkpoints
     finish(session)                # last checkpoint, held-out accuracy, summary.json
 
@@ -27,6 +28,7 @@ from rich.markup import escape
 from grpolab import core
 from grpolab import dist as dist_module
 from grpolab.checkpoint import (
+    checkpoint_step,
     latest_checkpoint,
     restore,
     resume_config_changes,
@@ -34,7 +36,7 @@ from grpolab.checkpoint import (
     save_run,
     set_aside,
 )
-from grpolab.config import Config, to_dict, to_yaml
+from grpolab.config import Config, load_notes, to_dict, to_yaml
 from grpolab.core import CoreFunctions
 from grpolab.evaluate import accuracy_rewards, evaluate_greedy, evaluate_pass_at_k
 from grpolab.memory import limit_heap_retention, release_freed_memory
@@ -53,6 +55,7 @@ from grpolab.rundir import check_output_dir, prepare_output_dir
 from grpolab.setup import (
     Run,
     build_run,
+    check_context_fits,
     load_start_model,
     old_logprobs_from_loss_forward,
     resolve_device,
@@ -65,6 +68,11 @@ from grpolab.tracking import Tracker, progress_bar
 
 class Interrupted(RuntimeError):
     """Ctrl-C or SIGTERM stopped the run; the message says what was saved."""
+
+
+class RewardsFailing(RuntimeError):
+    """A reward function failed on every sample of trainer.max_consecutive_reward_failures
+    steps in a row: the run stopped with a checkpoint; the message names it and its error."""
 
 
 @dataclass
@@ -84,9 +92,21 @@ class Session:
     tracker: Tracker | None = None
     divergence: RewardDivergence | None = None  # the reward against the strict accuracy
     step: int = 0  # the last step taken
+    overwrite: bool = False
+    damaged: list[tuple[Path, str]] = field(default_factory=list)  # passed over by the resume
+    # What the start writes into the run directory (name -> text), held until `commit`: a
+    # start that fails or is interrupted leaves the directory as it was.
+    staged: dict[str, str] = field(default_factory=dict)
 
     def wall_seconds(self) -> float:
         return self.progress.get("wall_seconds", 0.0) + time.time() - self.wall_start
+
+
+@dataclass
+class Stage:
+    """What the start is doing, for the line a Ctrl-C prints."""
+
+    doing: str = "starting"
 
 
 def train(
@@ -103,9 +123,19 @@ def train(
     The preflight checks run first, on this model and a real batch, and training refuses to
     start if one fails (PreflightFailed) unless `skip_preflight`. A resume whose config
     changes what is trained is refused unless `allow_config_change`. `functions`: the core
-    functions to train with (a user's, `--impl`); default grpolab's, as configured."""
-    session = start(cfg, resume, overwrite, functions, console, allow_config_change)
-    gate(session, skip_preflight)
+    functions to train with (a user's, `--impl`); default grpolab's, as configured. Nothing
+    is written into the run directory before the first step (`commit`): a start that fails
+    or is interrupted (Interrupted) leaves it as it was."""
+    stage = Stage()
+    try:
+        session = start(cfg, resume, overwrite, functions, console, allow_config_change, stage)
+        gate(session, skip_preflight, stage)
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"interrupted while {stage.doing}, before training started; nothing was written "
+            f"(output_dir={cfg.output_dir} is as it was)"
+        ) from None
+    commit(session)
     steps(session)
     return finish(session)
 
@@ -120,9 +150,11 @@ def start(
     functions: CoreFunctions | None,
     console: Console | None,
     allow_config_change: bool,
+    stage: Stage | None = None,
 ) -> Session:
-    """Everything before the first step. The run directory, the checkpoint to resume and the
-    config against the checkpoint's are checked before anything is written there."""
+    """Everything before the first step that writes nothing: the run directory, the
+    checkpoint to resume and the config against the checkpoint's are checked first."""
+    stage = stage or Stage()
     wall_start = time.time()
     console = console or wide_console()
     transformers.utils.logging.disable_progress_bar()
@@ -143,24 +175,18 @@ def start(
     resume_dir, damaged = None, []
     if resume:
         resume_dir, damaged = resume_point(run_dir, None if resume is True else resume)
+        check_steps_left(cfg, resume_dir)
 
+    stage.doing = "loading the model"
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_start_model(cfg, device)
     run = build_run(cfg, model, tokenizer, device, functions, d)
     start_step, progress, changes = 0, {}, []
     if resume_dir is not None:
+        stage.doing = f"restoring {resume_dir}"
         changes = resume_config_changes(cfg, resume_dir, run_dir, allow_config_change)
         start_step, progress = restore(run, resume_dir)
         console.print(f"resuming from {resume_dir} at step {start_step}")
-    if d.main:
-        for leftover in prepare_output_dir(run_dir, bool(resume), overwrite):
-            console.print(f"removed {leftover} (left by a save cut short)")
-        for path, why in damaged:  # out of the listing, kept for a look
-            console.print(
-                f"[yellow]warning:[/yellow] {path} is damaged ({escape(why)}): resumed from "
-                f"{resume_dir.name} instead; the damaged one is now {set_aside(path).name}"
-            )
-    dist_module.barrier(d)
     if changes:
         listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changes)
         console.print(f"[yellow]config changed on resume (applied):[/yellow] {escape(listed)}")
@@ -169,7 +195,18 @@ def start(
         )
     log_dir = run_dir if d.main else Path(tempfile.mkdtemp(prefix=f"grpolab-rank{d.rank}-"))
     progress = {k: progress[k] for k in PROGRESS_KEYS if k in progress}
-    return Session(run, run_dir, log_dir, console, start_step, resume_dir, progress, wall_start)
+    return Session(run, run_dir, log_dir, console, start_step, resume_dir, progress, wall_start,
+                   overwrite=overwrite, damaged=damaged)  # fmt: skip
+
+
+def check_steps_left(cfg: Config, resume_dir: Path) -> None:
+    """A resume with max_steps below the checkpoint's step would train nothing."""
+    step = checkpoint_step(resume_dir)
+    if step is not None and cfg.max_steps < step:
+        raise ValueError(
+            f"max_steps={cfg.max_steps} is below the step of the checkpoint to resume "
+            f"({resume_dir}, step {step}): set max_steps above {step} to train further"
+        )
 
 
 # The loop's state that checkpoints keep (besides the run's).
@@ -179,13 +216,15 @@ PROGRESS_KEYS = (
     "eval_history",
     "wall_seconds",
     "config_changes",
+    "reward_failure_streak",  # {function: steps in a row it failed on every sample}
 )
 
 
-def gate(session: Session, skip_preflight: bool) -> None:
-    """Write and print the resolved config and objective, run the preflight, open the logs,
-    and measure the held-out accuracy before training."""
-    run, console, log_dir = session.run, session.console, session.log_dir
+def gate(session: Session, skip_preflight: bool, stage: Stage | None = None) -> None:
+    """Print the resolved config and objective (staged for the run directory), run the
+    preflight, and measure the held-out accuracy before training."""
+    stage = stage or Stage()
+    run, console = session.run, session.console
     cfg = run.cfg
     card = core.objective_card(cfg.objective)
     if old_logprobs_from_loss_forward(cfg, run.plan):
@@ -193,27 +232,51 @@ def gate(session: Session, skip_preflight: bool) -> None:
             "\n  (one optimizer step per batch: logp_old is the loss forward's own detached"
             " log-probs, exact, no extra pass)"
         )
-    (log_dir / "config.yaml").write_text(to_yaml(cfg))
-    (log_dir / "objective.txt").write_text(card + "\n")
+    card += "".join(f"\n  note: {note}" for note in load_notes(cfg))
+    session.staged |= {"config.yaml": to_yaml(cfg), "objective.txt": card + "\n"}
     console.print("[bold]Resolved config[/bold]\n" + to_yaml(cfg))
-    console.print(card)
+    console.print(escape(card))
     sharded = dist_module.is_sharded(run.model)
     if sharded and not skip_preflight:  # its probes deep-copy the model, which FSDP2 refuses
         console.print(
             "preflight: not run under trainer.distributed=fsdp; `grpolab preflight` with this "
             "config checks the same quantities on one process"
         )
-    preflight_gate(run, log_dir, console, skip=skip_preflight or sharded)
+    stage.doing = "running the preflight"
+    record = preflight_gate(run, console, skip=skip_preflight or sharded)
+    session.staged["preflight.json"] = record
     release_freed_memory()  # the preflight's copies and full-vocabulary logits
-    session.tracker = Tracker(
-        log_dir, cfg.trainer.report_to, to_dict(cfg), console, resume_step=session.start_step
-    )
     if session.resume_dir is None:
+        stage.doing = "measuring the held-out accuracy before training"
         before, strict_before = held_out_accuracy(session, "before GRPO")
         session.progress |= {"accuracy_before": before, "strict_accuracy_before": strict_before}
     session.progress.setdefault("eval_history", [])
     scale = reward_scale(run.task, run.rewards, run.tokenizer)  # wrong vs right total reward
     session.divergence = RewardDivergence(limits_for(cfg.trainer, cfg.model.dtype), scale)
+
+
+def commit(session: Session) -> None:
+    """Training starts: the run directory is prepared (a replaced run deleted, leftovers of
+    a save cut short removed, damaged checkpoints set aside), the staged files written and
+    the logs opened."""
+    run, console, run_dir = session.run, session.console, session.run_dir
+    resume = session.resume_dir is not None
+    if run.dist.main:
+        for leftover in prepare_output_dir(run_dir, resume, session.overwrite):
+            console.print(f"removed {leftover} (left by a save cut short)")
+        for path, why in session.damaged:  # out of the listing, kept for a look
+            console.print(
+                f"[yellow]warning:[/yellow] {path} is damaged ({escape(why)}): resumed from "
+                f"{session.resume_dir.name} instead; the damaged one is now "
+                f"{set_aside(path).name}"
+            )
+    dist_module.barrier(run.dist)
+    for name, text in session.staged.items():
+        (session.log_dir / name).write_text(text)
+    session.tracker = Tracker(
+        session.log_dir, run.cfg.trainer.report_to, to_dict(run.cfg), console,
+        resume_step=session.start_step,
+    )  # fmt: skip
 
 
 # --- The steps ---------------------------------------------------------------------------------
@@ -241,9 +304,11 @@ def steps(session: Session) -> None:
                 ) from None
             session.step = step
             warnings = watch(session, step, metrics, batch, bar.console)
+            failing = count_reward_failures(session, batch)
             record(session, step, metrics, batch)
             bar.update(bar_task, completed=step, info=f"reward {metrics['reward/mean']:.3f}")
-            if step == session.start_step + 1 or step % 10 == 0 or metrics["skipped"]:
+            first = step == session.start_step + 1
+            if first or step % 10 == 0 or metrics["skipped"] or failing:
                 bar.console.print(session.tracker.console_line(step, cfg.max_steps, metrics))
             stop_if_unhealthy(session, step, warnings, batch)
             if dist_module.any_rank(stop.requested, run.dist):
@@ -280,6 +345,21 @@ def watch(session: Session, step: int, metrics: dict, batch: StepBatch, console)
     return warnings
 
 
+def count_reward_failures(session: Session, batch: StepBatch) -> list[str]:
+    """Each reward function's streak of steps on which it failed on every sample (of every
+    rank); returns the functions that did on this step."""
+    run = session.run
+    streaks = session.progress.setdefault("reward_failure_streak", {})
+    failing = []
+    for fn in run.rewards:
+        everywhere = batch.scores.errors.get(fn.name, 0) >= batch.rows
+        everywhere = not dist_module.any_rank(not everywhere, run.dist)
+        streaks[fn.name] = streaks.get(fn.name, 0) + 1 if everywhere else 0
+        if everywhere:
+            failing.append(fn.name)
+    return failing
+
+
 def record(session: Session, step: int, metrics: dict, batch: StepBatch) -> None:
     """Held-out accuracy every eval_steps, metrics.jsonl, sample completions."""
     t = session.run.cfg.trainer
@@ -301,6 +381,18 @@ def stop_if_unhealthy(session: Session, step: int, warnings: list[str], batch: S
         session.tracker.close()
         raise MonitorStop(
             f"stopped at step {step} (trainer.monitor=stop): {warnings[0]}; checkpoint {path}"
+        )
+    streaks = session.progress.get("reward_failure_streak", {})
+    failed = [name for name, n in streaks.items() if n >= t.max_consecutive_reward_failures]
+    if failed:
+        path = save(session, step)
+        session.tracker.close()
+        fn = next(fn for fn in run.rewards if fn.name == failed[0])
+        raise RewardsFailing(
+            f"stopped at step {step}: reward {fn.name!r} failed on every sample of the last "
+            f"{streaks[fn.name]} steps (trainer.max_consecutive_reward_failures="
+            f"{t.max_consecutive_reward_failures}); its last error: {fn.last_error}; "
+            f"checkpoint {path}"
         )
     if run.consecutive_nonfinite >= t.max_consecutive_nonfinite:
         path = save(session, step)
@@ -326,18 +418,42 @@ def held_out_accuracy(session: Session, label: str) -> tuple[float | None, float
     run, t = session.run, session.run.cfg.trainer
     if t.eval_examples == 0 or not run.task.eval:
         return None, None
-    tic = time.perf_counter()
     length = t.eval_max_completion_length or run.cfg.rollout.max_completion_length
     examples = run.task.eval[: t.eval_examples]
     run.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: not held meanwhile
+    progress = EvalProgress(session.console, f"held-out accuracy {label}", len(examples))
     # Batches of a training rollout's size: no larger a KV cache than training needs.
-    held_out = evaluate_greedy(run.engine, examples, run.accuracy, length, run.cfg.batch_size)
+    held_out = evaluate_greedy(
+        run.engine, examples, run.accuracy, length, run.cfg.batch_size, on_batch=progress
+    )
     session.console.print(
         f"held-out accuracy {label}: [bold]{held_out.accuracy:.1f}%[/bold], strict "
         f"{held_out.strict_accuracy:.1f}% ({len(examples)} problems, greedy, "
-        f"{time.perf_counter() - tic:.1f} s)"
+        f"{progress.elapsed():.1f} s)"
     )
     return held_out.accuracy, held_out.strict_accuracy
+
+
+class EvalProgress:
+    """A line while an evaluation runs, at most every EVAL_PROGRESS_SECONDS: how many of the
+    problems are done and the time so far (a real model's evaluation takes minutes)."""
+
+    def __init__(self, console: Console, label: str, total: int):
+        self.console, self.label, self.total = console, label, total
+        self.tic = self.last = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.tic
+
+    def __call__(self, done: int) -> None:
+        now = time.perf_counter()
+        if done < self.total and now - self.last >= EVAL_PROGRESS_SECONDS:
+            self.last = now
+            seconds = now - self.tic
+            self.console.print(f"{self.label}: {done} of {self.total} problems ({seconds:.0f} s)")
+
+
+EVAL_PROGRESS_SECONDS = 5.0
 
 
 # --- Finish ------------------------------------------------------------------------------------
@@ -350,7 +466,14 @@ def finish(session: Session) -> dict[str, Any]:
     checkpoint = save(session, cfg.max_steps) if trained else session.resume_dir
     before = session.progress.get("accuracy_before")
     strict_before = session.progress.get("strict_accuracy_before")
-    after, strict_after = held_out_accuracy(session, "after GRPO")
+    try:
+        after, strict_after = held_out_accuracy(session, "after GRPO")
+    except KeyboardInterrupt:
+        session.tracker.close()
+        raise Interrupted(
+            f"interrupted during the held-out evaluation after training; checkpoint "
+            f"{checkpoint} is saved (summary.json was not written)"
+        ) from None
     session.tracker.close()
     summary = {
         "accuracy_before": before,
@@ -425,7 +548,9 @@ def percent(value: float | None) -> str:
 
 def last_checkpoint_note(run_dir: Path) -> str:
     latest = latest_checkpoint(run_dir)
-    return f"The last checkpoint is {latest}." if latest else "No checkpoint was saved."
+    if latest:
+        return f"The last checkpoint is {latest}."
+    return "No checkpoint was saved: start it again with --overwrite."
 
 
 def wide_console() -> Console:
@@ -447,8 +572,10 @@ def run_eval(
     temperature: float = 1.0,
     console: Console | None = None,
 ) -> dict[str, float]:
-    """`grpolab eval`: greedy accuracy (and pass@k) of cfg.model on cfg.task's held-out set."""
+    """`grpolab eval`: greedy accuracy (and pass@k) of cfg.model on cfg.task's held-out set,
+    in batches of a training step's size, as the trainer evaluates."""
     console = console or wide_console()
+    transformers.utils.logging.disable_progress_bar()
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
@@ -457,19 +584,27 @@ def run_eval(
     if not held_out:
         raise ValueError(f"task {cfg.task.name!r} has no held-out examples (task.num_eval)")
     engine = task_engine(cfg, model, tokenizer)
+    check_context_fits(cfg, engine, task)
     accuracy = accuracy_rewards(cfg.rewards, cfg.task)
     length = cfg.trainer.eval_max_completion_length or cfg.rollout.max_completion_length
-    greedy = evaluate_greedy(engine, held_out, accuracy, length)
+    progress = EvalProgress(console, "accuracy (greedy)", len(held_out))
+    greedy = evaluate_greedy(engine, held_out, accuracy, length, cfg.batch_size, progress)
     result = {"accuracy": greedy.accuracy, "strict_accuracy": greedy.strict_accuracy}
     console.print(
         f"accuracy (greedy): {greedy.accuracy:.1f}% on {len(held_out)} problems; strict "
-        f"{greedy.strict_accuracy:.1f}% (the final answer exactly the reference)"
+        f"{greedy.strict_accuracy:.1f}% (the final answer exactly the reference; "
+        f"{progress.elapsed():.1f} s)"
     )
     if pass_at_k:
         key = f"pass@{pass_at_k}"
+        progress = EvalProgress(console, key, len(held_out))
         result[key] = evaluate_pass_at_k(
-            engine, held_out, accuracy, length, pass_at_k, samples, temperature, cfg.seed
-        )
+            engine, held_out, accuracy, length, pass_at_k, samples, temperature, cfg.seed,
+            on_batch=progress,
+        )  # fmt: skip
         n = samples or pass_at_k
-        console.print(f"{key}: {result[key]:.1f}% ({n} samples per problem, T={temperature:g})")
+        console.print(
+            f"{key}: {result[key]:.1f}% ({n} samples per problem, T={temperature:g}; "
+            f"{progress.elapsed():.1f} s)"
+        )
     return result

@@ -6,6 +6,7 @@
     result.total          # [B] sum_k weight_k * reward_k (None counts 0, as TRL's nansum)
     result.per_function   # name -> [B] unweighted values; NaN where a function returned None
     result.errors         # name -> samples that got the fallback in this call
+    result.error_texts    # name -> that function's last failure in this call, one line
     result.metrics        # rewards/<name>/mean, reward_errors/<name>, frac_reward_zero_std, ...
 
 A function that raises, returns a non-finite value or the wrong number of values, or runs past
@@ -61,6 +62,7 @@ class RewardResult:
     per_function: dict[str, torch.Tensor]  # name -> [B] float32, NaN where not applicable
     errors: dict[str, int]  # name -> samples that got the fallback
     metrics: dict[str, float]
+    error_texts: dict[str, str] = field(default_factory=dict)  # name -> its last failure
 
 
 class Rewards(list):
@@ -198,8 +200,12 @@ def score(
     per_function: dict[str, torch.Tensor] = {}
     errors: dict[str, int] = {}
     metrics: dict[str, float] = {}
+    error_texts: dict[str, str] = {}
     for fn in rewards:
+        fn.last_error = None
         values, n_errors = fn(completions, columns)
+        if n_errors:
+            error_texts[fn.name] = fn.last_error or "failed"
         t = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
         per_function[fn.name] = t
         errors[fn.name] = n_errors
@@ -225,7 +231,13 @@ def score(
         metrics["completion_length/max"] = lengths.max().item()
         metrics["completion_length/min"] = lengths.min().item()
         metrics |= episode_metrics(rollout)
-    return RewardResult(total=total, per_function=per_function, errors=errors, metrics=metrics)
+    return RewardResult(
+        total=total,
+        per_function=per_function,
+        errors=errors,
+        metrics=metrics,
+        error_texts=error_texts,
+    )
 
 
 def _environment_reward(

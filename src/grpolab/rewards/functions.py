@@ -42,6 +42,9 @@ class RewardFunction:
     fallback: float = 0.0  # the value of a sample whose reward could not be computed
     threaded: bool = True  # run in a worker thread under `timeout`
     needs_token_ids: bool = False
+    # The first failure of the latest call that failed, one line ("KeyError: 'solution'"):
+    # what a stop or a check names.
+    last_error: str | None = field(default=None, repr=False)
     _logged: bool = field(default=False, repr=False)
     _late: threading.Thread | None = field(default=None, repr=False)
 
@@ -55,6 +58,7 @@ class RewardFunction:
             if len(values) != n:
                 raise RewardCallError(f"returned {len(values)} values for {n} completions")
         except Exception as e:
+            self.last_error = error_text(e)
             self._log_once(f"reward {self.name!r} failed for the whole batch of {n}: {e}", e)
             return [self.fallback] * n, n
         out, errors = [], 0
@@ -68,6 +72,8 @@ class RewardFunction:
                 f = math.nan
             if not math.isfinite(f):
                 errors += 1
+                if errors == 1:  # the call's first failure
+                    self.last_error = f"returned {v!r} for sample {i} (not a finite number)"
                 self._log_once(f"reward {self.name!r} gave {v!r} for sample {i}; using fallback")
                 f = self.fallback
             out.append(f)
@@ -113,6 +119,14 @@ class RewardFunction:
             self.name,
             exc_info=exc_info,
         )
+
+
+def error_text(error: BaseException) -> str:
+    """An exception on one line: its type and the first line of its message."""
+    if isinstance(error, RewardCallError):
+        return str(error)
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def resolve_function(ref: str) -> Callable[..., Any]:

@@ -90,6 +90,7 @@ class ProbeReport:
     total: list[float]  # the weighted sum per probe: the reward the trainer trains on
     errors: dict[str, int]  # function -> probes that got the fallback
     not_probed: list[str] = field(default_factory=list)  # needs token ids, no tokenizer given
+    error_texts: dict[str, str] = field(default_factory=dict)  # function -> its last failure
 
     def answer_checking(self) -> list[str]:
         """The functions that score the reference above the wrong answer on some row."""
@@ -255,7 +256,9 @@ def run_probes(
         name: [None if v != v else float(v) for v in t.tolist()]  # NaN: not applicable
         for name, t in result.per_function.items()
     }
-    return ProbeReport(rows, probes, values, result.total.tolist(), result.errors, not_probed)
+    return ProbeReport(
+        rows, probes, values, result.total.tolist(), result.errors, not_probed, result.error_texts
+    )
 
 
 def reward_scale(task: Task, rewards: Rewards, tokenizer=None) -> tuple[float, float] | None:

@@ -113,13 +113,10 @@ def checked_prompt_ids(
     prompts rendered and encoded with the engine's tokenizer, chat template and context."""
     check_sampling(num_generations, params)
     episodes = getattr(engine, "episodes", None)
-    system_prompt, tools = engine.system_prompt, None
     new_tokens = params.max_completion_length
     if episodes is not None:
-        tools = episodes.schemas or None
-        if episodes.tool_description:  # a template without tool support: a system prompt
-            system_prompt = "\n\n".join(filter(None, [system_prompt, episodes.tool_description]))
         new_tokens = params.max_episode_tokens or episodes.max_tokens
+    system_prompt, tools = prompt_settings(engine)
     return encode_prompts(
         engine.tokenizer,
         prompts,
@@ -129,6 +126,41 @@ def checked_prompt_ids(
         system_prompt,
         tools,
     )
+
+
+def prompt_settings(engine) -> tuple[str | None, list[dict] | None]:
+    """(system prompt, tool schemas) an engine renders its prompts with: an episode's tools
+    go through the chat template's `tools=`, or into the system prompt for a template
+    without tool support."""
+    episodes = getattr(engine, "episodes", None)
+    system_prompt, tools = engine.system_prompt, None
+    if episodes is not None:
+        tools = episodes.schemas or None
+        if episodes.tool_description:  # a template without tool support: a system prompt
+            system_prompt = "\n\n".join(filter(None, [system_prompt, episodes.tool_description]))
+    return system_prompt, tools
+
+
+def longest_prompt(engine, prompts: Sequence[str], room: int) -> tuple[int, int] | None:
+    """(index, tokens) of the longest of `prompts` as the engine renders and encodes them,
+    when it and `room` more tokens might not fit the engine's context; None when every
+    prompt provably fits. A token holds at least one byte of the rendered text (byte-level
+    BPE, SentencePiece, character vocabularies), so a prompt whose bytes plus the template's
+    own and a few special tokens fit is not encoded: a large task costs no tokenizing."""
+    context = getattr(engine, "context_length", None)
+    if not context or not prompts:
+        return None
+    tokenizer, template = engine.tokenizer, engine.chat_template
+    system_prompt, tools = prompt_settings(engine)
+    frame = render_prompt(tokenizer, "x", template, system_prompt, tools)  # the template's text
+    overhead = len(frame.encode()) + 8  # and the special tokens a tokenizer adds (BOS, ...)
+    suspects = [i for i, p in enumerate(prompts) if len(p.encode()) + overhead + room > context]
+    if not suspects:
+        return None
+    chosen = [prompts[i] for i in suspects]
+    encoded = encode_prompts(tokenizer, chosen, 0, None, template, system_prompt, tools)
+    longest = max(range(len(suspects)), key=lambda j: len(encoded[j]))
+    return suspects[longest], len(encoded[longest])
 
 
 def assemble_rollout(
