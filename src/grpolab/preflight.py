@@ -44,7 +44,7 @@ from grpolab.memory import (
 from grpolab.models import base_model, eval_mode
 from grpolab.monitors import limits_for
 from grpolab.rewards import score
-from grpolab.rewards.probes import probe_rows, run_probes
+from grpolab.rewards.probes import probe_task
 from grpolab.rollout.common import encode_prompts
 from grpolab.setup import BatchPlan, Run, build_run, load_start_model, resolve_device
 
@@ -421,7 +421,7 @@ def run_preflight(run: Run) -> list[CheckResult]:
         results[flat[0]] = over_a_step
     if getattr(run.engine, "episodes", None) is not None:
         results += episode_results(run, s)
-    report = run_probes(probe_rows(run.task), run.rewards, run.tokenizer)
+    report = probe_task(run.task, run.rewards, run.tokenizer)
     results += list(checks.check_reward_probes(report))
     with eval_mode(model, zero_grad=True):
         model64 = float64_copy(model)  # both gradient checks' reference

@@ -63,8 +63,9 @@ def run_rollout(
     if n_prompts < 1:
         raise ValueError(f"--n-prompts={n_prompts}: expected an integer >= 1")
     task = load_task(cfg.task)
+    console.print(task.describe_answers())
     rewards = load_rewards(
-        cfg.rewards, task=cfg.task, max_completion_length=cfg.rollout.max_completion_length
+        cfg.rewards, task=task, max_completion_length=cfg.rollout.max_completion_length
     )
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)

@@ -197,6 +197,7 @@ def gate(session: Session, skip_preflight: bool) -> None:
     (log_dir / "objective.txt").write_text(card + "\n")
     console.print("[bold]Resolved config[/bold]\n" + to_yaml(cfg))
     console.print(card)
+    console.print(run.task.describe_answers())
     sharded = dist_module.is_sharded(run.model)
     if sharded and not skip_preflight:  # its probes deep-copy the model, which FSDP2 refuses
         console.print(
@@ -331,7 +332,9 @@ def held_out_accuracy(session: Session, label: str) -> tuple[float | None, float
     examples = run.task.eval[: t.eval_examples]
     run.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: not held meanwhile
     # Batches of a training rollout's size: no larger a KV cache than training needs.
-    held_out = evaluate_greedy(run.engine, examples, run.accuracy, length, run.cfg.batch_size)
+    held_out = evaluate_greedy(
+        run.engine, examples, run.accuracy, length, run.cfg.batch_size, run.task.answer_kind
+    )
     session.console.print(
         f"held-out accuracy {label}: [bold]{held_out.accuracy:.1f}%[/bold], strict "
         f"{held_out.strict_accuracy:.1f}% ({len(examples)} problems, greedy, "
@@ -457,9 +460,10 @@ def run_eval(
     if not held_out:
         raise ValueError(f"task {cfg.task.name!r} has no held-out examples (task.num_eval)")
     engine = task_engine(cfg, model, tokenizer)
-    accuracy = accuracy_rewards(cfg.rewards, cfg.task)
+    console.print(task.describe_answers())
+    accuracy = accuracy_rewards(cfg.rewards, task)
     length = cfg.trainer.eval_max_completion_length or cfg.rollout.max_completion_length
-    greedy = evaluate_greedy(engine, held_out, accuracy, length)
+    greedy = evaluate_greedy(engine, held_out, accuracy, length, answer_kind=task.answer_kind)
     result = {"accuracy": greedy.accuracy, "strict_accuracy": greedy.strict_accuracy}
     console.print(
         f"accuracy (greedy): {greedy.accuracy:.1f}% on {len(held_out)} problems; strict "
