@@ -32,13 +32,22 @@ def answer_kind(cfg: TaskConfig, task: Task) -> tuple[str, str]:
     task's own (number), or inferred from the references."""
     splits = (("train", task.train), ("eval", task.eval))
     if cfg.answer_kind is not None:
-        references = [(f"{s} row {i}", e.answer) for s, rows in splits for i, e in enumerate(rows)]
+        references = [
+            (f"{split} row {i} ({_short(e.prompt)})", e.answer)
+            for split, rows in splits
+            for i, e in enumerate(rows)
+        ]
         check_answer_kind(cfg.answer_kind, references)
         return cfg.answer_kind, "task.answer_kind"
     if cfg.name == "arithmetic":
         return "number", "the arithmetic task's answers are integers"
     kind, why = infer_answer_kind([e.answer for _, rows in splits for e in rows])
     return kind, f"inferred from the data: {why}; task.answer_kind=... to choose"
+
+
+def _short(text, width: int = 40) -> str:
+    text = " ".join(str(text).split())
+    return repr(text if len(text) <= width else text[: width - 3] + "...")
 
 
 __all__ = [
