@@ -198,6 +198,10 @@ HINTS = {
     "rewards.no_answer": "a reward pays inaction: an empty or 'I don't know' completion gets "
     "more than a wrong answer (a default of 0 beside a penalty for wrong ones), so GRPO teaches "
     "the model to stop answering; give no answer at most what a wrong answer gets",
+    "tokenizer.coverage": "the tokenizer cannot write these characters: the model reads <unk> "
+    "(or nothing) where they stand and can never write an answer that has them, so every "
+    "reward is flat; use a model whose tokenizer covers the task's text, or write the task in "
+    "the symbols it has",
 }
 
 

@@ -87,7 +87,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
             from grpolab.functions import load_episode_impl
 
             episode_functions = load_episode_impl(args.impl)
-        results = preflight(cfg, functions, episode_functions)
+        results = preflight(cfg, functions, episode_functions, console)
     except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
         print(f"grpolab preflight: error: {one_line(str(e))}", file=sys.stderr)
         return 2

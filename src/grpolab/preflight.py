@@ -29,6 +29,7 @@ from grpolab import checks, core, seeds
 from grpolab.checks import CheckResult, PreflightBatch, PreflightSettings
 from grpolab.config import Config
 from grpolab.core import CoreFunctions
+from grpolab.coverage import check_tokenizer_coverage
 from grpolab.episode_checks import probe_episodes, run_episode_checks
 from grpolab.memory import (
     MB,
@@ -414,8 +415,10 @@ def run_preflight(run: Run) -> list[CheckResult]:
     cfg, model, functions = run.cfg, run.model, run.functions
     transformers.utils.logging.disable_progress_bar()
     s = settings_from_config(cfg)
+    system_prompt = cfg.task.system_prompt if cfg.task.chat_template else None
+    coverage = check_tokenizer_coverage(run.task, run.tokenizer, system_prompt)
     batch, _ = sample_batch(run)
-    results = checks.run_checks(model, batch, s, functions)
+    results = [coverage, *checks.run_checks(model, batch, s, functions)]
     flat = [i for i, r in enumerate(results) if r.id == "rewards.variance" and not r.passed]
     if flat and (over_a_step := reward_variance_over_a_step(run, batch)) is not None:
         results[flat[0]] = over_a_step
@@ -446,15 +449,21 @@ def run_preflight(run: Run) -> list[CheckResult]:
 
 
 def preflight(
-    cfg: Config, functions: CoreFunctions | None = None, episode_functions=None
+    cfg: Config,
+    functions: CoreFunctions | None = None,
+    episode_functions=None,
+    console: Console | None = None,
 ) -> list[CheckResult]:
     """`grpolab preflight`: build the configured run (model, engine, task, rewards) and run
     every check on it. `functions`: the table to check (default: the trainer's);
-    `episode_functions`: the episode functions to check (a run with tools)."""
+    `episode_functions`: the episode functions to check (a run with tools); `console`: where
+    the task's answer kind is said."""
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
     run = build_run(cfg, model, tokenizer, functions=functions)
+    if console is not None:
+        console.print(run.task.describe_answers())
     if episode_functions is not None and getattr(run.engine, "episodes", None) is not None:
         run.engine.episodes.functions = episode_functions
     return run_preflight(run)
