@@ -38,6 +38,7 @@ CAUGHT_BY = {
 # reward mutant file (its function has the file's only public name) -> the probe that catches it
 REWARD_CAUGHT_BY = {
     "reward_accepts_echo": "rewards.echo",
+    "reward_pays_inaction": "rewards.no_answer",
 }
 
 PROFILE_TRL = {"profile": "trl", **core.PROFILES["trl"], "beta": 0.04}

@@ -43,6 +43,8 @@ def test_preflight_passes_on_the_demo_and_prints_json():
         "rewards.reference",
         "rewards.wrong_answer",
         "rewards.echo",
+        "rewards.no_answer",
+        "tokenizer.coverage",
     ]:
         assert extra in ids
     assert all(c["passed"] for c in report["checks"])
@@ -64,6 +66,19 @@ def test_a_reward_that_accepts_the_echoed_question_fails_the_preflight():
     assert "first: reward 'evaluated_accuracy' gives the question restated as an expression" in text
     assert "on train row 0 (" in text and "likely bug: a reward accepts the prompt echoed" in text
     assert "FAIL rewards.reference" not in text and "FAIL rewards.wrong_answer" not in text
+
+
+def test_a_task_the_demo_tokenizer_cannot_write_fails_tokenizer_coverage_first():
+    capitals = Path(__file__).parent / "data" / "capitals.jsonl"
+    out = preflight("task.name=jsonl", f"task.path={capitals}", "task.num_eval=10", *SMALL)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "task jsonl: answers judged as string (inferred from the data: 40 of 40" in out.stdout
+    text = " ".join(out.stdout.split())
+    fails = [line.split(":")[0] for line in out.stdout.splitlines() if line.startswith("FAIL")]
+    assert fails[0] == "FAIL tokenizer.coverage"  # the cause, before its consequences
+    assert "(encode, then decode, no <unk>; 40 rows); it cannot write 48 characters:" in text
+    assert "train row 0's prompt 'What is the capital of" in text and "= 40" in text
+    assert "likely bug: the tokenizer cannot write these characters" in text
 
 
 def test_preflight_usage_errors_exit_2(tmp_path):

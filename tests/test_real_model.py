@@ -150,6 +150,19 @@ def test_chat_template_rollout_with_a_real_bpe_tokenizer(real):
     check_engine_logprobs(model, sampled)
 
 
+def test_a_real_bpe_tokenizer_writes_words_and_letters(real):
+    # The task the demo's 18-symbol tokenizer fails (tests/test_coverage.py) passes here.
+    from grpolab.coverage import check_tokenizer_coverage
+    from grpolab.tasks import TaskConfig, load_task
+
+    _, tokenizer, _ = real
+    data = Path(__file__).parent / "data"
+    for name, rows in (("capitals.jsonl", 40), ("choice.jsonl", 22)):
+        task = load_task(TaskConfig(name="jsonl", path=str(data / name), num_eval=6))
+        result = check_tokenizer_coverage(task, tokenizer, system_prompt="Answer briefly.")
+        assert result.passed and result.measured == 0 and result.expected == f"0 of {rows + 1}"
+
+
 def test_vllm_on_the_real_model(real):
     """vLLM started from the converted directory: the weight-sync canary, the chat template,
     <|im_end|>, decoded text = trained tokens, and its log-probs against the trainer's."""

@@ -14,10 +14,18 @@ import pytest
 from grpolab import checks
 from grpolab.models import build_char_tokenizer
 from grpolab.rewards import RewardsConfig, load_rewards
-from grpolab.rewards.probes import build_probes, probe_rows, reward_scale, run_probes
+from grpolab.rewards.probes import (
+    NO_ANSWERS,
+    build_probes,
+    probe_rows,
+    probe_task,
+    reward_scale,
+)
 from grpolab.tasks import SAMPLE_GSM8K, Example, TaskConfig, load_task
 
 MUTANT = Path(__file__).parent / "mutants" / "reward_accepts_echo.py"
+INACTION = Path(__file__).parent / "mutants" / "reward_pays_inaction.py"
+FIXTURES = Path(__file__).parent / "data"
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +45,18 @@ TASKS = {
     "arithmetic": lambda _: TaskConfig(),
     "what_is": lambda what_is_task: what_is_task,
     "gsm8k": lambda _: TaskConfig(name="gsm8k", path=str(SAMPLE_GSM8K), num_eval=0),
+    # Words and option letters: the judges of the string and choice kinds.
+    "capitals": lambda _: TaskConfig(name="jsonl", path=str(FIXTURES / "capitals.jsonl")),
+    "choice": lambda _: TaskConfig(name="jsonl", path=str(FIXTURES / "choice.jsonl")),
 }
 
 
 def probe(task_cfg, functions, tokenizer=None, **rewards_cfg):
+    task = load_task(task_cfg)
     rewards = load_rewards(
-        RewardsConfig(functions=functions, **rewards_cfg), task=task_cfg, max_completion_length=8
+        RewardsConfig(functions=functions, **rewards_cfg), task=task, max_completion_length=8
     )
-    report = run_probes(probe_rows(load_task(task_cfg)), rewards, tokenizer)
+    report = probe_task(task, rewards, tokenizer)
     return report, {r.id: r for r in checks.check_reward_probes(report)}
 
 
@@ -185,3 +197,49 @@ def test_the_reward_scale_of_the_total(what_is_task):
     wrong, right = scale(["accuracy", "format"], [1.0, 0.1])
     assert wrong == pytest.approx(0.1) and right == pytest.approx(1.1)
     assert scale(["format"]) is None  # pays right and wrong alike: no scale
+
+
+# --- Other answer kinds, and no answer ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["capitals", "choice"])
+def test_the_wrong_answer_is_another_rows_answer_of_the_same_kind(task):
+    report, results = probe(TASKS[task](None), ["accuracy"])
+    answers = {e.answer for _, e in report.rows}
+    for row, (_, example) in enumerate(report.rows):
+        wrong = {p.text for p in report.probes if p.row == row and p.kind == "wrong"}
+        # written as the reference is: bare, in a sentence, boxed, after ####, in tags
+        (bare,) = wrong & answers
+        assert bare != example.answer and f"The answer is {bare}." in wrong
+    # So the accuracy reward is asked, and passes, every question on words and letters too.
+    assert report.answer_checking() == ["accuracy"]
+    assert all(r.passed for r in results.values())
+
+
+def test_a_reward_that_pays_inaction_fails_rewards_no_answer(what_is_task):
+    report, results = probe(what_is_task, [f"{INACTION}:answer_or_penalty"])
+    failed = [id for id, r in results.items() if not r.passed]
+    assert failed == ["rewards.no_answer"]
+    no_answer = results["rewards.no_answer"]
+    assert no_answer.measured == 8 and no_answer.expected == "0 of 8"
+    index, first = report.rows[0]
+    assert (
+        f"first: reward 'answer_or_penalty' gives no answer '' 0, more than a wrong answer "
+        f"'{int(first.answer) + 1}' (-1), on train row {index} ({first.prompt!r})"
+    ) in no_answer.what
+    assert "pays inaction" in no_answer.hint
+
+
+def test_no_answer_on_a_words_task():
+    def graded(completions, answer, **_):  # +1 right, -1 any other attempt, 0 for silence
+        out = []
+        for c, a in zip(completions, answer, strict=True):
+            said = c.strip().removeprefix("The answer is ").strip(".")
+            out.append(0.0 if c in NO_ANSWERS else 1.0 if said == a else -1.0)
+        return out
+
+    _, results = probe(TASKS["capitals"](None), [graded])
+    assert [id for id, r in results.items() if not r.passed] == ["rewards.no_answer"]
+    # Silence scored as a wrong answer is not paying inaction.
+    _, results = probe(TASKS["capitals"](None), ["accuracy"])
+    assert results["rewards.no_answer"].passed

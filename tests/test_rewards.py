@@ -5,17 +5,28 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from grpolab.models import build_char_tokenizer
 from grpolab.rewards import RewardsConfig, load_rewards, score
+from grpolab.rewards.builtin import (
+    accuracy_exact,
+    accuracy_math,
+    choice_equal,
+    make_accuracy,
+    text_equal,
+)
 from grpolab.rollout.common import assemble_rollout
+from grpolab.strict import strict_equal
 from grpolab.tasks import SAMPLE_GSM8K, Example, TaskConfig, load_task
 
 TOK = build_char_tokenizer()
+FIXTURES = Path(__file__).parent / "data"
 
 
 def ex(answer: str, prompt: str = "p", **columns) -> Example:
@@ -104,6 +115,53 @@ def test_accuracy_on_the_gsm8k_sample():
     assert result.metrics["rewards/accuracy/mean"] == pytest.approx(2 / 3)
     assert result.metrics["frac_reward_zero_std"] == 0.0
     assert result.errors == {"accuracy": 0, "format": 0}
+
+
+def test_the_accuracy_judges_the_tasks_answer_kind():
+    capitals = load_task(TaskConfig(name="jsonl", path=str(FIXTURES / "capitals.jsonl")))
+    choice = load_task(TaskConfig(name="jsonl", path=str(FIXTURES / "choice.jsonl")))
+    for task, completions, right in (
+        (capitals, ["Paris.", "The answer is paris", "**PARIS**", "Rome", "It is Paris."], "Paris"),
+        (choice, ["The answer is (B)", "B)", "**B**", "Answer: b", "C", "B because"], "B"),
+    ):
+        rewards = load_rewards(["accuracy"], task=task)
+        values = score(completions, [ex(right)] * len(completions), rewards).total.tolist()
+        assert values == [1.0] * (len(completions) - 2) + [0.0, 0.0]
+    # The number kind is today's judge, function for function: exact for arithmetic, math
+    # (the final number as written) for any other task.
+    assert make_accuracy("auto", "arithmetic", "number") is accuracy_exact
+    assert make_accuracy("auto", "gsm8k", "number") is accuracy_math
+    assert make_accuracy("auto", "jsonl", "math") is accuracy_math
+    assert make_accuracy("auto", "arithmetic", "math") is accuracy_math
+    assert make_accuracy("auto", "arithmetic") is accuracy_exact  # no kind: the name decides
+    # An explicit mode wins over the kind.
+    assert make_accuracy("exact", "jsonl", "string") is accuracy_exact
+
+
+# Pieces of completions: answers, markers, markup, punctuation and space of every sort.
+PIECES = [
+    "Paris", "paris", "New York", "London", "B", "b", "(B)", "B)", "B.", "A", "(A)", " ", "\n",
+    "\t", "\u00a0", "**", "_", "`", "'", '"', "\u201c", ".", ",", "!", "?", ":", "(", ")", "{",
+    "}", "$", "The answer is ", "Answer: ", "answer is:", "ANSWER IS", "**Answer:** ",
+    "answers ", "####", "#### ", "\\boxed{", "\\text{", "<answer>", "</answer>", "because",
+    "I don't know", "\u00df", "SS",
+]  # fmt: skip
+
+
+def test_the_reward_and_the_strict_check_agree_on_string_and_choice_answers():
+    # Two implementations of one judge, sharing no code: on any completion they must agree, so
+    # that an honest reward on such a task keeps the reward-vs-strict gap at exactly 0.
+    rng = random.Random(0)
+    judges = (("string", text_equal, ["Paris", "New York", "ss"]), ("choice", choice_equal, ["B"]))
+    right = dict.fromkeys(["Paris", "New York", "ss", "B"], 0)
+    for _ in range(20_000):
+        completion = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 6)))
+        for kind, reward_judge, references in judges:
+            for reference in references:
+                same = strict_equal(completion, reference, kind)
+                assert reward_judge(completion, reference) == same, (completion, reference)
+                right[reference] += same
+    assert min(right.values()) >= 100, right  # both verdicts were given, many times
 
 
 # --- format, overlong, weights, metrics ----------------------------------------------------------

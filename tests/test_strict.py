@@ -66,3 +66,88 @@ def test_the_strict_check_shares_no_code_with_the_rewards():
         for alias in node.names
     }
     assert not [m for m in imported if m and (m.startswith("grpolab") or "math_verify" in m)]
+
+
+# --- The other answer kinds ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("completion", "reference", "right"),
+    [
+        ("Paris", "Paris", True),
+        ("Paris.", "paris", True),  # case and surrounding punctuation
+        ("  **Paris**\n", "Paris", True),  # markdown and whitespace
+        ("The answer is Paris.", "Paris", True),
+        ("Final answer: new   york", "New York", True),  # runs of spaces are one
+        ("\\boxed{\\text{Paris}}", "Paris", True),
+        ("#### Paris\nthat is all", "Paris", True),
+        ("<answer>Mexico City</answer>", "Mexico City", True),
+        ("'Paris'", "Paris", True),
+        ("The capital of France is Paris.", "Paris", False),  # no answer marked: all of it
+        ("Parisian", "Paris", False),
+        ("Paris is the answer", "Paris", False),
+        ("The answer is Rome. Paris is wrong", "Paris", False),
+        ("", "Paris", False),
+        ("...", "...", False),  # nothing left to compare
+    ],
+)
+def test_string_answers_compare_as_text(completion, reference, right):
+    assert strict_equal(completion, reference, "string") is right
+
+
+@pytest.mark.parametrize(
+    ("completion", "letter"),
+    [
+        ("B", "B"),
+        ("b", "B"),
+        ("The answer is (B)", "B"),
+        ("B)", "B"),
+        ("**B**", "B"),
+        ("Answer: b", "B"),
+        ("(B) Mercury", "B"),
+        ("B. Mercury", "B"),
+        ("answer is:\n(C).", "C"),
+        ("\\boxed{D}", "D"),
+        ("#### A", "A"),
+        ("<answer>a</answer>", "A"),
+        ("B because it is closest", None),  # a letter then prose names no option
+        ("A cat", None),
+        ("I don't know.", None),
+        ("Mercury", None),
+        ("", None),
+    ],
+)
+def test_choice_answers_are_one_letter(completion, letter):
+    assert strict_answer(completion, "choice") == letter
+    assert strict_equal(completion, "B", "choice") is (letter == "B")
+
+
+def test_choice_references_may_be_written_with_parentheses_or_lower_case():
+    assert strict_equal("The answer is B.", "(b)", "choice")
+    assert not strict_equal("The answer is B.", "C", "choice")
+
+
+@pytest.mark.parametrize(
+    ("completion", "reference", "right"),
+    [
+        ("\\boxed{x^2 + 1}", "x^2+1", True),  # text without spaces
+        ("The answer is $2\\sqrt{2}$.", "2\\sqrt{2}", True),  # the last inline math
+        ("The answer is x^2 + 1.", "x^2+1", True),
+        ("#### x^2+1", "x^2+1", True),  # the whole line, not its first number
+        ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}", False),  # no equivalences
+        ("so 5", "5", True),  # a numeric reference is judged as a number
+        ("The answer is 5, since 2+3=5", "5", True),
+        ("", "x+1", False),
+    ],
+)
+def test_math_answers_symbolic_as_text_numeric_by_value(completion, reference, right):
+    assert strict_equal(completion, reference, "math") is right
+
+
+def test_the_number_kind_is_the_default_and_an_unknown_kind_is_refused():
+    assert strict_equal("#### 2,280", "2280") == strict_equal("#### 2,280", "2280", "number")
+    assert not strict_equal("Paris", "Paris")  # a number judge finds no number in it
+    with pytest.raises(ValueError, match="'word' is not one of number, string, choice, math"):
+        strict_equal("Paris", "Paris", "word")
+    with pytest.raises(ValueError, match="'word'"):
+        strict_answer("Paris", "word")

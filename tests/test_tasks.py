@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from grpolab.tasks import SAMPLE_GSM8K, Example, TaskConfig, load_task
+from grpolab.tasks.answers import infer_answer_kind
 
 
 def test_arithmetic_default_format_and_answers():
@@ -205,3 +207,72 @@ def test_bad_template_names_the_template(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "p", "answer": "a"}])
     with pytest.raises(ValueError, match=r"task.prompt_template='\{nope\}'.*t.jsonl line 1"):
         load_task(TaskConfig(name="jsonl", path=str(path), prompt_template="{nope}"))
+
+
+# --- answer kinds ---------------------------------------------------------------------------------
+
+FIXTURES = Path(__file__).parent / "data"
+
+
+def jsonl_task(name: str, **kw) -> TaskConfig:
+    return TaskConfig(name="jsonl", path=str(FIXTURES / name), num_eval=6, **kw)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "kind", "why"),
+    [
+        (TaskConfig(), "number", "the arithmetic task's answers are integers"),
+        (
+            TaskConfig(name="gsm8k", path=str(SAMPLE_GSM8K)),
+            "number",
+            "inferred from the data: all 16 reference answers are numbers, e.g.",
+        ),
+        (
+            jsonl_task("capitals.jsonl"),
+            "string",
+            "inferred from the data: 40 of 40 reference answers are text, e.g.",
+        ),
+        (
+            jsonl_task("choice.jsonl"),
+            "choice",
+            "inferred from the data: all 22 reference answers are single letters (ABCD), e.g.",
+        ),
+        (jsonl_task("capitals.jsonl", answer_kind="math"), "math", "task.answer_kind"),
+    ],
+)
+def test_each_task_has_one_answer_kind_said_with_its_reason(cfg, kind, why):
+    task = load_task(cfg)
+    assert task.answer_kind == kind and why in task.answer_kind_reason
+    assert task.describe_answers() == (
+        f"task {cfg.name}: answers judged as {kind} ({task.answer_kind_reason})"
+    )
+
+
+@pytest.mark.parametrize(
+    ("references", "kind"),
+    [
+        (["85", "-3", "2,280", "0.5", "1/2"], "number"),
+        (["A", "b", "(C)", "J"], "choice"),
+        (["\\frac{1}{2}", "3", "2\\sqrt{2}"], "math"),
+        (["x^2+1", "(1, 2)", "pi/2", "7"], "math"),
+        (["Paris", "Winston-Salem", "Route 66", "2nd"], "string"),
+        (["Paris", "\\frac{1}{2}"], "string"),  # words among them: text
+        (["K", "L"], "string"),  # past J: not an option letter
+    ],
+)
+def test_the_kind_is_inferred_from_every_reference(references, kind):
+    assert infer_answer_kind(references)[0] == kind
+
+
+def test_a_declared_kind_must_fit_every_reference():
+    with pytest.raises(ValueError) as info:
+        load_task(jsonl_task("capitals.jsonl", answer_kind="number"))
+    message = str(info.value)
+    assert message.startswith("task.answer_kind='number': the answer of train row 0 ('What is")
+    assert "is not a number (42, -3.5, 2,280, 1/2) (and 39 more rows)" in message
+    with pytest.raises(ValueError, match=r"'choice'.* is not one letter A-J"):
+        load_task(jsonl_task("capitals.jsonl", answer_kind="choice"))
+    with pytest.raises(ValueError, match=r"task.answer_kind='word': expected one of number, "):
+        load_task(TaskConfig(answer_kind="word"))
+    # Any reference is text, and math-verify reads any text.
+    assert load_task(jsonl_task("choice.jsonl", answer_kind="string")).answer_kind == "string"

@@ -196,6 +196,13 @@ HINTS = {
     "rewards.echo": "a reward accepts the prompt echoed or the question restated: never "
     "evaluate an expression found in the completion (math-verify parses '88 + 22 =' as 110); "
     "compare the final answer as written",
+    "rewards.no_answer": "a reward pays inaction: an empty or 'I don't know' completion gets "
+    "more than a wrong answer (a default of 0 beside a penalty for wrong ones), so GRPO teaches "
+    "the model to stop answering; give no answer at most what a wrong answer gets",
+    "tokenizer.coverage": "the tokenizer cannot write these characters: the model reads <unk> "
+    "(or nothing) where they stand and can never write an answer that has them, so every "
+    "reward is flat; use a model whose tokenizer covers the task's text, or write the task in "
+    "the symbols it has",
 }
 
 
@@ -1245,7 +1252,12 @@ def check_rewards(batch: PreflightBatch):
     )
 
 
-REWARD_PROBES = ("rewards.reference", "rewards.wrong_answer", "rewards.echo")
+REWARD_PROBES = (
+    "rewards.reference",
+    "rewards.wrong_answer",
+    "rewards.echo",
+    "rewards.no_answer",
+)
 
 
 def check_reward_probes(report: ProbeReport):
@@ -1266,6 +1278,8 @@ def check_reward_probes(report: ProbeReport):
          "the reference"),
         (REWARD_PROBES[2], probes.echo_findings(report), "the prompt echoed or restated "
          "scores as much as the reference"),
+        (REWARD_PROBES[3], probes.no_answer_findings(report), "no answer scores more than a "
+         "wrong one"),
     ):  # fmt: skip
         bad_rows = len({f.row for f in findings})
         what = f"rows where {breach} ({about})"

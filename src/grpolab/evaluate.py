@@ -3,7 +3,7 @@
 Two accuracies are reported side by side: the reward-based one (the accuracy reward is 1) and
 the strict one (grpolab.strict: the final answer as written is exactly the reference), an
 independent check that a reward bug cannot also bend. They part ways when the reward is being
-gamed.
+gamed. Both judge the task's answer kind (Task.answer_kind: number, string, choice or math).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from grpolab.strict import strict_equal
 from grpolab.tasks.base import Example
 
 
-def accuracy_rewards(rewards_cfg: RewardsConfig | None, task_cfg) -> Rewards:
-    """The accuracy reward alone (1 = correct), in the run's accuracy mode."""
+def accuracy_rewards(rewards_cfg: RewardsConfig | None, task) -> Rewards:
+    """The accuracy reward alone (1 = correct), in the run's accuracy mode, judging `task`'s
+    answer kind (a Task; a TaskConfig or a name as load_rewards reads them)."""
     mode = getattr(rewards_cfg, "accuracy_mode", "auto")
-    return load_rewards(RewardsConfig(functions=["accuracy"], accuracy_mode=mode), task=task_cfg)
+    return load_rewards(RewardsConfig(functions=["accuracy"], accuracy_mode=mode), task=task)
 
 
 def correct(
@@ -55,9 +56,12 @@ def correct_answers(
     return correct(completions, per_completion, accuracy)
 
 
-def strict_correct(completions: Sequence[str], answers: Sequence[str]) -> torch.Tensor:
-    """[B] bool: the final answer as written is exactly the reference (grpolab.strict)."""
-    hits = [strict_equal(c, a) for c, a in zip(completions, answers, strict=True)]
+def strict_correct(
+    completions: Sequence[str], answers: Sequence[str], kind: str = "number"
+) -> torch.Tensor:
+    """[B] bool: the final answer as written is exactly the reference (grpolab.strict, judging
+    answers of `kind`)."""
+    hits = [strict_equal(c, a, kind) for c, a in zip(completions, answers, strict=True)]
     return torch.tensor(hits, dtype=torch.bool)
 
 
@@ -73,17 +77,20 @@ def evaluate_greedy(
     rewards: Rewards,
     max_completion_length: int,
     batch_size: int = 500,
+    answer_kind: str = "number",
     on_batch: Callable[[int], None] | None = None,
 ) -> HeldOutAccuracy:
-    """Greedy reward-based and strict accuracy, in percent, on `examples`; on_batch(done):
-    called after each batch with the problems evaluated so far."""
+    """Greedy reward-based and strict accuracy, in percent, on `examples` (the strict check
+    judging answers of `answer_kind`: the task's); on_batch(done): called after each batch
+    with the problems evaluated so far."""
     hits = strict = 0
     params = SamplingParams(temperature=0.0, max_completion_length=max_completion_length)
     for s in range(0, len(examples), batch_size):
         chunk = list(examples[s : s + batch_size])
         rollout = engine.generate([e.prompt for e in chunk], 1, params)
         hits += int(correct(rollout.completions, chunk, rewards).sum())
-        strict += int(strict_correct(rollout.completions, [e.answer for e in chunk]).sum())
+        answers = [e.answer for e in chunk]
+        strict += int(strict_correct(rollout.completions, answers, answer_kind).sum())
         if on_batch is not None:
             on_batch(s + len(chunk))
     n = max(1, len(examples))

@@ -41,11 +41,13 @@ class MonitorLimits:
     zero_std_max: float = 0.95  # groups with no reward variance teach nothing
     # Rewarded-as-right fraction minus strict accuracy, as a mean over `divergence_window`
     # steps. On numeric answers an honest reward and the strict check agree (the gap was 0 on
-    # every step of the demo and of a chat model's first steps); a reward that evaluated
-    # restated questions paid 11-19 % of a chat model's samples beyond the right ones from
-    # step 1 on. Averaging over steps keeps one lucky batch from warning. On symbolic answers
-    # (\sqrt{8} written 2\sqrt{2}) math-verify accepts what the text-exact strict check does
-    # not: raise the limit there.
+    # every step of the demo and of a chat model's first steps); on string and choice answers
+    # the accuracy's judge and the strict one read every completion alike (0 on every step,
+    # tests/test_answer_kinds.py); a reward that evaluated restated questions paid 11-19 % of
+    # a chat model's samples beyond the right ones from step 1 on. Averaging over steps keeps
+    # one lucky batch from warning. On symbolic answers (the math kind: \sqrt{8} written
+    # 2\sqrt{2}) math-verify accepts what the text-exact strict check does not: raise the
+    # limit there.
     reward_strict_gap: float = 0.1
     divergence_window: int = 8
 
@@ -138,7 +140,8 @@ def check_step(
 
 
 class RewardDivergence:
-    """The training reward against the strict accuracy of the same samples.
+    """The training reward against the strict accuracy of the same samples, both judging the
+    task's answer kind (Task.answer_kind: the step's `accuracy` and `strict_accuracy`).
 
     A gamed reward pays for completions whose final answer is not the reference (the question
     restated as "88 + 22 =", a number anywhere in the text), so the share of samples it rewards

@@ -30,6 +30,7 @@ from grpolab import checks, core, seeds
 from grpolab.checks import CheckResult, PreflightBatch, PreflightSettings
 from grpolab.config import Config
 from grpolab.core import CoreFunctions
+from grpolab.coverage import check_tokenizer_coverage
 from grpolab.episode_checks import probe_episodes, run_episode_checks
 from grpolab.memory import (
     MB,
@@ -45,7 +46,7 @@ from grpolab.memory import (
 from grpolab.models import base_model, eval_mode
 from grpolab.monitors import limits_for
 from grpolab.rewards import score
-from grpolab.rewards.probes import probe_rows, run_probes
+from grpolab.rewards.probes import probe_task
 from grpolab.rollout.common import encode_prompts
 from grpolab.setup import BatchPlan, Run, build_run, load_start_model, resolve_device
 
@@ -417,12 +418,15 @@ def run_preflight(run: Run, progress=None) -> list[CheckResult]:
     say = progress or (lambda doing: None)
     transformers.utils.logging.disable_progress_bar()
     s = settings_from_config(cfg)
+    system_prompt = cfg.task.system_prompt if cfg.task.chat_template else None
+    say("tokenizer.coverage: the task's prompts and answers through the tokenizer")
+    coverage = check_tokenizer_coverage(run.task, run.tokenizer, system_prompt)
     G = cfg.trainer.num_generations
     say(f"sampling {max(2, PREFLIGHT_ROWS // G)} prompts x {G} from the task "
         f"(up to {cfg.rollout.episode_budget()} tokens each) and scoring them")  # fmt: skip
     batch, _ = sample_batch(run)
     say(f"the checks of goals 1-7 on the {batch.input_ids.shape[0]} sampled rows")
-    results = checks.run_checks(model, batch, s, functions)
+    results = [coverage, *checks.run_checks(model, batch, s, functions)]
     flat = [i for i, r in enumerate(results) if r.id == "rewards.variance" and not r.passed]
     if flat:
         say("rewards.variance on a whole step's prompts (the sampled groups were all flat)")
@@ -432,7 +436,7 @@ def run_preflight(run: Run, progress=None) -> list[CheckResult]:
         say("the episode checks on probe episodes")
         results += episode_results(run, s)
     say(f"the reward probes on real task rows ({', '.join(fn.name for fn in run.rewards)})")
-    report = run_probes(probe_rows(run.task), run.rewards, run.tokenizer)
+    report = probe_task(run.task, run.rewards, run.tokenizer)
     results += list(checks.check_reward_probes(report))
     with eval_mode(model, zero_grad=True):
         say("log-probs and gradients against a float64 copy of the model")
@@ -468,13 +472,16 @@ def preflight(
     """`grpolab preflight`: build the configured run (model, engine, task, rewards) and run
     every check on it. `functions`: the table to check (default: the trainer's);
     `episode_functions`: the episode functions to check (a run with tools); `console`: where
-    each group of checks is announced as it starts (None: silent)."""
+    each group of checks is announced as it starts and the task's answer kind is said (None:
+    silent)."""
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     progress = PreflightProgress(console)
     progress("loading the model")
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
     run = build_run(cfg, model, tokenizer, functions=functions)
+    if console is not None:
+        console.print(run.task.describe_answers())
     if episode_functions is not None and getattr(run.engine, "episodes", None) is not None:
         run.engine.episodes.functions = episode_functions
     return run_preflight(run, progress)

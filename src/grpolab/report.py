@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from grpolab.strict import strict_equal
+from grpolab.tasks.answers import infer_answer_kind
 from grpolab.tracking import read_jsonl
 
 SAMPLES_PER_STEP = 4  # completions shown for each of the early, middle and late steps
@@ -179,16 +180,34 @@ def write_report(run_dir: str | Path) -> Path:
             shown = f"{v:.4g}" if isinstance(v, (int, float)) else "n/a"
             lines.append(f"| {key} | {shown} | {mean_of(key)} |")
     lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in written]
-    lines += ["", *sample_completions(read_jsonl(run_dir / "completions.jsonl"))]
+    records = read_jsonl(run_dir / "completions.jsonl")
+    lines += ["", *sample_completions(records, kind=answer_kind(run_dir, records))]
     report = run_dir / "report.md"
     report.write_text("\n".join(lines) + "\n")
     print(f"wrote {report} and {len(written)} plots: {', '.join(written)}")
     return report
 
 
-def sample_completions(records: list[dict[str, Any]], n: int = SAMPLES_PER_STEP) -> list[str]:
+def answer_kind(run_dir: Path, records: list[dict[str, Any]]) -> str:
+    """The run's answer kind: its config's task.answer_kind, else the arithmetic task's
+    number, else inferred from the logged reference answers as the run inferred it."""
+    import yaml
+
+    config = run_dir / "config.yaml"
+    task = (yaml.safe_load(config.read_text()) or {}).get("task", {}) if config.is_file() else {}
+    if task.get("answer_kind"):
+        return task["answer_kind"]
+    if task.get("name", "arithmetic") == "arithmetic":
+        return "number"
+    return infer_answer_kind([str(r.get("answer", "")) for r in records])[0]
+
+
+def sample_completions(
+    records: list[dict[str, Any]], n: int = SAMPLES_PER_STEP, kind: str = "number"
+) -> list[str]:
     """report.md's section of completions.jsonl: the first, middle and last logged steps, up
-    to n completions each, with their reward and whether the final answer is the reference."""
+    to n completions each, with their reward and whether the final answer is the reference
+    (the strict check, judging answers of `kind`)."""
     lines = ["## Sample completions", ""]
     steps = sorted({r["step"] for r in records if isinstance(r.get("step"), int)})
     if not steps:
@@ -205,7 +224,7 @@ def sample_completions(records: list[dict[str, Any]], n: int = SAMPLES_PER_STEP)
         lines += ["| prompt | completion | answer | reward | strict |", "|---|---|---|---|---|"]
         for r in [r for r in records if r.get("step") == step][:n]:
             completion, answer = str(r.get("completion", "")), str(r.get("answer", ""))
-            verdict = "yes" if strict_equal(completion, answer) else "**no**"
+            verdict = "yes" if strict_equal(completion, answer, kind) else "**no**"
             reward = r.get("reward")
             shown = f"{reward:.3g}" if isinstance(reward, (int, float)) else "n/a"
             cells = (_cell(r.get("prompt", "")), _cell(completion), _cell(answer), shown, verdict)

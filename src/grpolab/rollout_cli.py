@@ -63,8 +63,9 @@ def run_rollout(
     if n_prompts < 1:
         raise ValueError(f"--n-prompts={n_prompts}: expected an integer >= 1")
     task = load_task(cfg.task)
+    console.print(task.describe_answers())
     rewards = load_rewards(
-        cfg.rewards, task=cfg.task, max_completion_length=cfg.rollout.max_completion_length
+        cfg.rewards, task=task, max_completion_length=cfg.rollout.max_completion_length
     )
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
@@ -77,12 +78,15 @@ def run_rollout(
     rollout = engine.generate([e.prompt for e in examples], G, cfg.rollout.sampling(cfg.seed))
     result = score(rollout, examples, rewards)
     lengths = rollout.completion_mask.sum(dim=1).tolist()
+    unread, warnings = unreadable(tokenizer, examples)
     samples = []
     for i in range(rollout.batch_size):
         samples.append(
             {
                 "group": int(rollout.group_ids[i]),
                 "prompt": rollout.prompts[i],
+                # What the model read instead, where the tokenizer cannot write the prompt.
+                **({"prompt_read": unread[p]} if (p := rollout.prompts[i]) in unread else {}),
                 "completion": rollout.completions[i],
                 "answer": examples[i // G].answer,
                 "reward": _finite(result.total[i].item()),
@@ -98,7 +102,39 @@ def run_rollout(
         "num_generations": G,
         "samples": samples,
         "metrics": {k: _finite(v) for k, v in result.metrics.items()},
+        "warnings": warnings,
     }
+
+
+# What a rollout says when the tokenizer cannot write the task's text (tokenizer.coverage).
+CANNOT_WRITE = {
+    "prompts": "the prompt column shows what the model reads",
+    "reference answers": "the model can never write these answers",
+}
+
+
+def unreadable(tokenizer, examples) -> tuple[dict[str, str], list[str]]:
+    """({prompt: what the model reads} for the prompts the tokenizer does not give back,
+    warnings naming the characters of the prompts and answers it cannot write)."""
+    from grpolab.coverage import round_trip
+
+    warnings, read = [], {}
+    texts = {
+        "prompts": [e.prompt for e in examples],
+        "reference answers": [e.answer for e in examples],
+    }
+    for what, group in texts.items():
+        failed = [t for t in round_trip(tokenizer, group).values() if not t.ok]
+        if what == "prompts":
+            read = {t.text: t.read for t in failed}
+        if failed:
+            lost = "".join(dict.fromkeys(c for t in failed for c in t.lost))
+            shown = ", ".join(map(repr, lost[:16])) + (", ..." if len(lost) > 16 else "")
+            warnings.append(
+                f"the tokenizer cannot write {len(lost)} characters of these {what} ({shown}): "
+                f"{CANNOT_WRITE[what]} (the preflight's tokenizer.coverage fails)"
+            )
+    return read, warnings
 
 
 def turn_json(rollout, i: int) -> list[dict[str, Any]]:
@@ -125,7 +161,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     for s in samples:
         table.add_row(
             str(s["group"]),
-            s["prompt"],
+            s.get("prompt_read", s["prompt"]),
             _turns_text(s["turns"]) if "turns" in s else s["completion"],
             s["answer"],
             _fmt(s["reward"]),
@@ -136,6 +172,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     console.print(table)
     shown = ", ".join(f"{k}={_fmt(v)}" for k, v in report["metrics"].items())
     console.print(shown)
+    for warning in report.get("warnings", []):
+        console.print(f"[bold yellow]warning:[/bold yellow] {escape(warning)}")
 
 
 def _turns_text(turns: list[dict[str, Any]]) -> str:

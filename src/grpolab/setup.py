@@ -158,7 +158,7 @@ def build_run(
         optimizer, lr_lambda(t.lr_scheduler, t.warmup_steps, total_updates)
     )
     engine = task_engine(cfg, model, tokenizer)
-    task = load_task(cfg.task)
+    task = load_task(cfg.task)  # its answer kind is the accuracy's judge
     check_context_fits(cfg, engine, task)
     return Run(
         cfg=cfg,
@@ -168,9 +168,9 @@ def build_run(
         engine=engine,
         task=task,
         rewards=load_rewards(
-            cfg.rewards, task=cfg.task, max_completion_length=cfg.rollout.max_completion_length
+            cfg.rewards, task=task, max_completion_length=cfg.rollout.max_completion_length
         ),
-        accuracy=accuracy_rewards(cfg.rewards, cfg.task),
+        accuracy=accuracy_rewards(cfg.rewards, task),
         optimizer=optimizer,
         scheduler=scheduler,
         prompt_generator=seeds.prompt_order(cfg.seed),

@@ -152,7 +152,8 @@ def collect(run: Run, step: int) -> StepBatch:
     tic = time.perf_counter()
     correct = correct_answers(scores, rollout.completions, examples, run.rewards, run.accuracy)
     answers = [e.answer for e in examples for _ in range(G)]
-    strict = strict_correct(rollout.completions, answers)  # independent of the rewards
+    # The task's judge, in code independent of the rewards'.
+    strict = strict_correct(rollout.completions, answers, run.task.answer_kind)
     # Advantages over the global batch ("batch" scaling needs every rank's rewards).
     all_rewards = dist_module.all_gather_cat(scores.total, d)  # [B_global]
     kwargs = core.accepted_kwargs(run.functions.group_advantages, o.advantage_kwargs())

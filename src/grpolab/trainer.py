@@ -236,6 +236,7 @@ def gate(session: Session, skip_preflight: bool, stage: Stage | None = None) -> 
     session.staged |= {"config.yaml": to_yaml(cfg), "objective.txt": card + "\n"}
     console.print("[bold]Resolved config[/bold]\n" + to_yaml(cfg))
     console.print(escape(card))
+    console.print(run.task.describe_answers())
     sharded = dist_module.is_sharded(run.model)
     if sharded and not skip_preflight:  # its probes deep-copy the model, which FSDP2 refuses
         console.print(
@@ -424,7 +425,8 @@ def held_out_accuracy(session: Session, label: str) -> tuple[float | None, float
     progress = EvalProgress(session.console, f"held-out accuracy {label}", len(examples))
     # Batches of a training rollout's size: no larger a KV cache than training needs.
     held_out = evaluate_greedy(
-        run.engine, examples, run.accuracy, length, run.cfg.batch_size, on_batch=progress
+        run.engine, examples, run.accuracy, length, run.cfg.batch_size, run.task.answer_kind,
+        on_batch=progress,
     )
     session.console.print(
         f"held-out accuracy {label}: [bold]{held_out.accuracy:.1f}%[/bold], strict "
@@ -585,10 +587,13 @@ def run_eval(
         raise ValueError(f"task {cfg.task.name!r} has no held-out examples (task.num_eval)")
     engine = task_engine(cfg, model, tokenizer)
     check_context_fits(cfg, engine, task)
-    accuracy = accuracy_rewards(cfg.rewards, cfg.task)
+    console.print(task.describe_answers())
+    accuracy = accuracy_rewards(cfg.rewards, task)
     length = cfg.trainer.eval_max_completion_length or cfg.rollout.max_completion_length
     progress = EvalProgress(console, "accuracy (greedy)", len(held_out))
-    greedy = evaluate_greedy(engine, held_out, accuracy, length, cfg.batch_size, progress)
+    greedy = evaluate_greedy(
+        engine, held_out, accuracy, length, cfg.batch_size, task.answer_kind, progress
+    )
     result = {"accuracy": greedy.accuracy, "strict_accuracy": greedy.strict_accuracy}
     console.print(
         f"accuracy (greedy): {greedy.accuracy:.1f}% on {len(held_out)} problems; strict "

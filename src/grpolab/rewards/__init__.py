@@ -38,7 +38,7 @@ from grpolab.rewards.functions import (
 )
 from grpolab.rollout.base import Rollout
 from grpolab.rollout.episodes import episode_metrics
-from grpolab.tasks.base import Example, TaskConfig
+from grpolab.tasks.base import Example, Task, TaskConfig
 
 
 @dataclass
@@ -51,7 +51,9 @@ class RewardsConfig:
     weights: list[float] | None = None  # one per function; None = all 1.0
     timeout: float | None = 30.0  # seconds per call of a user function; None = no limit
     fallback: float = 0.0  # the reward of a sample whose function failed
-    accuracy_mode: str = "auto"  # auto (exact for arithmetic, else math) | exact | math
+    # auto (the task's answer kind: number -> exact for arithmetic, else math; math; string;
+    # choice) | exact | math
+    accuracy_mode: str = "auto"
     format_pattern: str = DEFAULT_FORMAT_PATTERN  # re.search, DOTALL
     overlong_buffer: int | None = None  # DAPO's L_cache in tokens; None = max_length // 4
 
@@ -74,13 +76,14 @@ RewardsLike = Rewards | RewardsConfig | Sequence[str | Callable[..., Any]]
 
 def load_rewards(
     cfg: RewardsLike | None = None,
-    task: TaskConfig | str | None = None,
+    task: Task | TaskConfig | str | None = None,
     max_completion_length: int | None = None,
 ) -> Rewards:
     """Resolve every reward function once, checking names, files and weights.
 
-    task: the task (or its name), for accuracy_mode="auto"; max_completion_length: the
-    rollout's, for the overlong reward.
+    task: the task, for accuracy_mode="auto": its answer kind is the accuracy's judge (a task
+    config or a name gives only a declared kind, or the arithmetic task's number);
+    max_completion_length: the rollout's, for the overlong reward.
     """
     if isinstance(cfg, Rewards):
         return cfg
@@ -88,7 +91,7 @@ def load_rewards(
         cfg = RewardsConfig()
     elif not isinstance(cfg, RewardsConfig):
         cfg = RewardsConfig(functions=list(cfg))
-    task_name = task.name if isinstance(task, TaskConfig) else task
+    task_name, kind = _task_judge(task)
     if not cfg.functions:
         raise ValueError("rewards.functions is empty: name at least one reward function")
     weights = cfg.weights if cfg.weights is not None else [1.0] * len(cfg.functions)
@@ -115,7 +118,7 @@ def load_rewards(
         builtin = isinstance(ref, str) and ref in BUILTIN_REWARDS
         if builtin:
             fn = {
-                "accuracy": lambda: make_accuracy(cfg.accuracy_mode, task_name),
+                "accuracy": lambda: make_accuracy(cfg.accuracy_mode, task_name, kind),
                 "format": lambda: make_format(cfg.format_pattern),
                 "overlong": lambda: make_overlong(max_completion_length, cfg.overlong_buffer),
             }[ref]()
@@ -141,6 +144,15 @@ def load_rewards(
             )
         )
     return out
+
+
+def _task_judge(task: Task | TaskConfig | str | None) -> tuple[str | None, str | None]:
+    """(the task's name, its answer kind or None when only a loaded task would know it)."""
+    if isinstance(task, Task):
+        return task.name, task.answer_kind
+    if isinstance(task, TaskConfig):
+        return task.name, task.answer_kind
+    return task, None
 
 
 def _display(ref: str | Callable[..., Any]) -> str:

@@ -1,11 +1,17 @@
 """The built-in reward functions, with the TRL signature f(completions, **columns) -> list.
 
-accuracy  1.0 when the completion's final answer, as written, equals the reference. mode
-          "exact": the stripped completion is the answer (the arithmetic task: "85" then EOS);
-          mode "math": the answer is the last \\boxed{...}, else the text after "####", else
-          (numeric references) the last number; numbers compare by value, other references by
-          math-verify, so "\\frac{1}{2}" equals "0.5". Nothing that restates the question as an
-          expression ("88 + 22 =") is evaluated into an answer (see math_equal).
+accuracy  1.0 when the completion's final answer, as written, equals the reference, judged
+          as the task's answer kind (grpolab.tasks.answers) in mode "auto":
+          number  the arithmetic task: "exact"; any other: "math" (its numeric path)
+          math    "math": the answer is the last \\boxed{...}, else the text after "####",
+                  else (numeric references) the last number; numbers compare by value, other
+                  references by math-verify, so "\\frac{1}{2}" equals "0.5". Nothing that
+                  restates the question as an expression ("88 + 22 =") is evaluated into an
+                  answer (see math_equal).
+          string  text_equal: "Paris." and "The answer is paris" answer "Paris"
+          choice  choice_equal: "The answer is (B)", "B)", "**B**", "Answer: b" answer "B"
+          mode "exact": the stripped completion is the answer (the arithmetic task: "85" then
+          EOS); mode "math": as the math kind, whatever the task.
 format    1.0 when the completion matches a regular expression (re.search, DOTALL).
 overlong  DAPO's soft overlong punishment: 0 up to max_length - buffer tokens, then falling
           linearly to -1 at max_length (truncated completions get -1).
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import re
+import string
 import threading
 from fractions import Fraction
 
@@ -28,6 +35,14 @@ def accuracy_exact(completions: list[str], answer: list[str], **_: object) -> li
 
 def accuracy_math(completions: list[str], answer: list[str], **_: object) -> list[float]:
     return [float(math_equal(c, str(a))) for c, a in zip(completions, answer, strict=True)]
+
+
+def accuracy_text(completions: list[str], answer: list[str], **_: object) -> list[float]:
+    return [float(text_equal(c, str(a))) for c, a in zip(completions, answer, strict=True)]
+
+
+def accuracy_choice(completions: list[str], answer: list[str], **_: object) -> list[float]:
+    return [float(choice_equal(c, str(a))) for c, a in zip(completions, answer, strict=True)]
 
 
 def math_equal(completion: str, reference: str) -> bool:
@@ -114,6 +129,86 @@ def _marked_answer(completion: str) -> str | None:
     return None
 
 
+# --- Text and letters (the string and choice kinds) --------------------------------------------
+#
+# The final answer is written in the last \\boxed{...}, else after the last "####" (to the end of
+# its line), else in the last <answer>...</answer>, else after the last "answer is" / "answer:"
+# (to the end of its line), else it is the whole completion.
+
+_TAGGED = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
+_SAID = re.compile(r"\banswer(?:\*\*|__)?\s*(?:is\b\s*:?|:)", re.IGNORECASE)
+_WRAPPED = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf)\{([^{}]*)\}")
+_QUOTES = "\u201c\u201d\u2018\u2019\u00ab\u00bb"
+_EDGE = set(string.punctuation + _QUOTES)  # stripped from both ends of a string answer
+_MARKUP = set("*_`'\"" + _QUOTES)  # around an option letter: "**B**", "`B`"
+
+
+def text_equal(completion: str, reference: str) -> bool:
+    """Whether the final answer, as text, is the reference: case folded, one space between
+    words, surrounding punctuation and markdown ignored ("Paris." is "paris"; "It is Paris"
+    is not)."""
+    expected = _folded(reference)
+    return bool(expected) and _folded(_written_answer(completion)) == expected
+
+
+def choice_equal(completion: str, reference: str) -> bool:
+    """Whether the final answer is the reference's option letter: "B", "(B)", "B)", "B.",
+    "**B**", "B) Paris", any case ("B because" names no option)."""
+    expected = _option(reference)
+    return expected is not None and _option(_written_answer(completion)) == expected
+
+
+def _written_answer(completion: str) -> str:
+    at = completion.rfind("\\boxed{")
+    if at >= 0:
+        depth, start = 0, at + len("\\boxed{")
+        for i in range(start, len(completion)):
+            if completion[i] == "}" and depth == 0:
+                return completion[start:i]
+            depth += {"{": 1, "}": -1}.get(completion[i], 0)
+    if "####" in completion:
+        return completion.rsplit("####", 1)[1].strip().split("\n", 1)[0]
+    tagged = _TAGGED.findall(completion)
+    if tagged:
+        return tagged[-1]
+    said = list(_SAID.finditer(completion))
+    if said:
+        return completion[said[-1].end() :].strip().split("\n", 1)[0]
+    return completion
+
+
+def _folded(text: str) -> str:
+    words = " ".join(_WRAPPED.sub(r"\1", text).split())
+    start, end = 0, len(words)
+    while start < end and (words[start] in _EDGE or words[start].isspace()):
+        start += 1
+    while end > start and (words[end - 1] in _EDGE or words[end - 1].isspace()):
+        end -= 1
+    return words[start:end].casefold()
+
+
+def _option(text: str) -> str | None:
+    """The option letter a text names, upper case, or None."""
+    t = text
+    while t and (t[0] in _MARKUP or t[0].isspace()):
+        t = t[1:]
+    while t and (t[-1] in _MARKUP or t[-1].isspace()):
+        t = t[:-1]
+    if len(t) >= 3 and t[0] == "(" and t[2] == ")":
+        letter, rest = t[1], t[3:]
+        rest = rest[1:] if rest[:1] in (".", ":") else rest
+    elif t:
+        letter, rest = t[0], t[1:]
+        if rest and rest[0] not in ".:)":
+            return None
+        rest = rest[1:]
+    else:
+        return None
+    if letter not in string.ascii_letters or (rest and not rest[0].isspace()):
+        return None
+    return letter.upper()
+
+
 @functools.lru_cache(maxsize=65536)
 def _parse_reference(reference: str) -> tuple:
     from math_verify import parse
@@ -133,12 +228,16 @@ def _extraction_config() -> list:
     return [LatexExtractionConfig(), ExprExtractionConfig()]
 
 
-def make_accuracy(mode: str = "auto", task: str | None = None):
-    """accuracy in `mode`; "auto" is "exact" for the arithmetic task and "math" otherwise."""
+def make_accuracy(mode: str = "auto", task: str | None = None, kind: str | None = None):
+    """accuracy in `mode`; "auto" judges the task's answer kind (the module docstring): text
+    for string, the option letter for choice, else "exact" for the arithmetic task and "math"
+    otherwise (a kind of None: the task's name alone decides, as for number)."""
     if mode not in ACCURACY_MODES:
         raise ValueError(f"rewards.accuracy_mode={mode!r} is not one of {list(ACCURACY_MODES)}")
+    if mode == "auto" and kind in ("string", "choice"):
+        return accuracy_text if kind == "string" else accuracy_choice
     if mode == "auto":
-        mode = "exact" if task == "arithmetic" else "math"
+        mode = "exact" if task == "arithmetic" and kind != "math" else "math"
     return accuracy_exact if mode == "exact" else accuracy_math
 
 

@@ -6,10 +6,12 @@ probes are
   reference  the reference answer as a model writes it: bare ("85"), in a sentence ("The answer
              is 85."), \\boxed{85}, "#### 85", <answer>85</answer>, and the row's worked solution
              when the task has one (GSM8K's "solution" column)
-  wrong      a wrong answer written the same ways (a number + 1, else another row's answer)
+  wrong      a wrong answer of the task's answer kind written the same ways: a number + 1 for
+             numeric references, else another row's answer ("Rome" for "Paris", "C" for "B")
   echo       the prompt echoed back
   restated   each arithmetic expression of the prompt given as the answer: "88 + 22 =",
              "The answer is 88+22", \\boxed{88 + 22}, "#### 88 + 22"
+  no_answer  no attempt: the empty completion, "I don't know.", an empty \\boxed{}
 
 and every reward function of the run scores them through `score`, as the trainer does. What a
 function can honestly be asked depends on what it rewards:
@@ -18,13 +20,15 @@ function can honestly be asked depends on what it rewards:
                    (`reference_findings`)
   answer-checking  a function that scores the reference above the wrong answer on some row:
                    on every row, the wrong answer (`wrong_findings`), the echoed prompt and the
-                   restated question (`echo_findings`) score below the reference's best
+                   restated question (`echo_findings`) score below the reference's best, and
+                   no answer scores no more than the wrong answer's best (`no_answer_findings`:
+                   a reward that pays inaction teaches a model to stop answering)
   the others       format, length or style rewards, which give a right and a wrong answer the
                    same value on every row: they do not claim to check answers, so only the
                    first demand holds for them
 
-A probe whose final answer is the reference by the strict check (grpolab.strict: a prompt that
-ends with its own answer) does answer the row and is left out.
+A probe whose final answer is the reference by the strict check (grpolab.strict, judging the
+task's answer kind: a prompt that ends with its own answer) does answer the row and is left out.
 """
 
 from __future__ import annotations
@@ -35,17 +39,20 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
 from grpolab.rewards import Rewards, score
-from grpolab.strict import strict_answer, strict_equal
+from grpolab.strict import strict_equal
+from grpolab.tasks.answers import CHOICE_LETTERS
 from grpolab.tasks.base import Example, Task
 
 PROBE_ROWS = 8  # training rows probed, spread over the task's training set
-PROBE_KINDS = ("reference", "wrong", "echo", "restated")
+PROBE_KINDS = ("reference", "wrong", "echo", "restated", "no_answer")
 DESCRIBED = {
     "reference": "the reference answer",
     "wrong": "a wrong answer",
     "echo": "the prompt echoed",
     "restated": "the question restated as an expression",
+    "no_answer": "no answer",
 }
+NO_ANSWERS = ("", "I don't know.", "\\boxed{}")  # a completion that attempts nothing
 # "88 + 22", "37+48", "3 * 4 - 1": numbers joined by arithmetic operators.
 _EXPRESSION = re.compile(r"\d+(?:\.\d+)?(?:\s*[-+*/×÷^]\s*\d+(?:\.\d+)?)+")
 _OPERATOR = re.compile(r"\s*([-+*/×÷^])\s*")
@@ -68,16 +75,18 @@ class Finding:
     kind: str  # the kind of the probe that scored too high
     probe: str
     value: float
-    reference: str  # the reference's best-scoring writing
+    reference: str  # the best-scoring writing of what it is compared with
     top: float  # its score
+    against: str = "reference"  # the probe kind compared with
 
     def sentence(self) -> str:
         """'reward 'accuracy' gives the question restated as an expression '88 + 22 =' 1, as
         much as the reference '110' (1), on train row 17 ('What is 88 + 22?')'."""
         than = "as much as" if self.value <= self.top else "more than"
+        other = "the reference" if self.against == "reference" else DESCRIBED[self.against]
         return (
             f"reward {self.function!r} gives {DESCRIBED[self.kind]} {_short(self.probe)} "
-            f"{self.value:g}, {than} the reference {_short(self.reference)} ({self.top:g}), "
+            f"{self.value:g}, {than} {other} {_short(self.reference)} ({self.top:g}), "
             f"on train row {self.row} ({_short(self.prompt)})"
         )
 
@@ -129,14 +138,16 @@ class ProbeReport:
                 best, at = v, i
         return best, at
 
-    def _findings(self, names: Sequence[str], kinds: tuple[str, ...], strict: bool):
-        """Per (function, row): the worst probe of `kinds` scoring at least the reference's
-        best (strict=True) or more than it (strict=False)."""
+    def _findings(
+        self, names: Sequence[str], kinds: tuple[str, ...], strict: bool, against="reference"
+    ):
+        """Per (function, row): the worst probe of `kinds` scoring at least the best probe of
+        `against` (strict=True) or more than it (strict=False)."""
         found = []
         for name in names:
             values = self.values[name]
             for row, (index, example) in enumerate(self.rows):
-                top, top_at = self._best(values, row, ("reference",))
+                top, top_at = self._best(values, row, (against,))
                 worst, worst_at = self._best(values, row, kinds)
                 if top is None or worst is None:
                     continue
@@ -144,7 +155,9 @@ class ProbeReport:
                 if worst >= top - tol if strict else worst > top + tol:
                     p, best = self.probes[worst_at], self.probes[top_at].text
                     found.append(
-                        Finding(name, index, example.prompt, p.kind, p.text, worst, best, top)
+                        Finding(
+                            name, index, example.prompt, p.kind, p.text, worst, best, top, against
+                        )
                     )
         return found
 
@@ -165,6 +178,13 @@ def echo_findings(report: ProbeReport) -> list[Finding]:
     return report._findings(report.answer_checking(), ("echo", "restated"), strict=True)
 
 
+def no_answer_findings(report: ProbeReport) -> list[Finding]:
+    """Answer-checking functions: no answer (the empty completion, "I don't know.") that
+    scores more than the wrong answer's best writing (TRL PR #6427: a default reward of 0
+    above a wrong answer's -1 taught a model inaction)."""
+    return report._findings(report.answer_checking(), ("no_answer",), strict=False, against="wrong")
+
+
 def probe_rows(task: Task, n: int = PROBE_ROWS) -> list[tuple[int, Example]]:
     """n training rows spread evenly over the task's training set (all of a smaller one)."""
     size = len(task.train)
@@ -175,14 +195,15 @@ def probe_rows(task: Task, n: int = PROBE_ROWS) -> list[tuple[int, Example]]:
     return [(i, task.train[i]) for i in indices]
 
 
-def build_probes(rows: Sequence[tuple[int, Example]]) -> list[Probe]:
+def build_probes(rows: Sequence[tuple[int, Example]], kind: str = "number") -> list[Probe]:
+    """Every probe of `rows`, for answers of `kind` (the task's answer kind)."""
     answers = [example.answer for _, example in rows]
     probes = []
     for row, (_, example) in enumerate(rows):
         solution = example.columns.get("solution")
         for text in writings(example.answer, solution if isinstance(solution, str) else None):
             probes.append(Probe(row, "reference", text))
-        wrong = wrong_answer(example.answer, answers)
+        wrong = wrong_answer(example.answer, answers[row + 1 :] + answers[:row], kind)
         if wrong is not None:
             wrong_solution = None
             if isinstance(solution, str) and "####" in solution:
@@ -200,11 +221,12 @@ def build_probes(rows: Sequence[tuple[int, Example]]) -> list[Probe]:
                 f"#### {spaced}",
             ):
                 probes.append(Probe(row, "restated", text))
+        probes += [Probe(row, "no_answer", text) for text in NO_ANSWERS]
     # A probe that does answer its row by the strict check is not a wrong one.
     return [
         p
         for p in probes
-        if p.kind == "reference" or not strict_equal(p.text, rows[p.row][1].answer)
+        if p.kind == "reference" or not strict_equal(p.text, rows[p.row][1].answer, kind)
     ]
 
 
@@ -220,26 +242,32 @@ def writings(answer: str, solution: str | None = None) -> list[str]:
     return out + ([solution] if solution else [])
 
 
-def wrong_answer(answer: str, answers: Sequence[str]) -> str | None:
-    """A wrong answer to a row: a number one further from 0, else another row's answer."""
-    try:
-        value = Decimal(answer.replace(",", "").strip())
-    except InvalidOperation:
-        value = None
-    if value is not None and value.is_finite():
-        return str(value - 1 if value < 0 else value + 1)
-    mine = strict_answer(answer)
-    return next((a for a in answers if strict_answer(a) != mine), None)
+def wrong_answer(answer: str, others: Sequence[str], kind: str = "number") -> str | None:
+    """A wrong answer to a row, of the task's answer kind: a number one further from 0 for a
+    numeric reference (number and math), else the first of `others` (the other rows'
+    answers) that the strict check tells apart from it; a choice row whose others all
+    share its letter gets the next letter."""
+    if kind in ("number", "math"):
+        try:
+            value = Decimal(answer.replace(",", "").strip())
+        except InvalidOperation:
+            value = None
+        if value is not None and value.is_finite():
+            return str(value - 1 if value < 0 else value + 1)
+    other = next((a for a in others if not strict_equal(a, answer, kind)), None)
+    if other is None and kind == "choice":
+        return next(c for c in CHOICE_LETTERS if not strict_equal(c, answer, kind))
+    return other
 
 
 def run_probes(
-    rows: Sequence[tuple[int, Example]], rewards: Rewards, tokenizer=None
+    rows: Sequence[tuple[int, Example]], rewards: Rewards, tokenizer=None, kind: str = "number"
 ) -> ProbeReport:
     """Score every probe of `rows` with `rewards` through `score`, as the trainer does.
     tokenizer: for the token ids of rewards that need them ('overlong'); without one those
-    functions are not probed."""
+    functions are not probed. kind: the task's answer kind (Task.answer_kind)."""
     rows = list(rows)
-    probes = build_probes(rows)
+    probes = build_probes(rows, kind)
     texts = [p.text for p in probes]
     ids = None
     if tokenizer is not None:
@@ -261,9 +289,14 @@ def run_probes(
     )
 
 
+def probe_task(task: Task, rewards: Rewards, tokenizer=None) -> ProbeReport:
+    """The probes of `task`'s rows, of its answer kind, scored by `rewards`."""
+    return run_probes(probe_rows(task), rewards, tokenizer, task.answer_kind)
+
+
 def reward_scale(task: Task, rewards: Rewards, tokenizer=None) -> tuple[float, float] | None:
     """(wrong, right) of the run's total reward on the probes of `task` (ProbeReport)."""
-    return run_probes(probe_rows(task), rewards, tokenizer).reward_scale()
+    return probe_task(task, rewards, tokenizer).reward_scale()
 
 
 def _tol(a: float, b: float) -> float:

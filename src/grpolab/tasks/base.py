@@ -43,6 +43,10 @@ class TaskConfig:
     prompt_template: str | None = None
     chat_template: bool = False  # render prompts through the tokenizer's chat template
     system_prompt: str | None = None  # with chat_template: a system message first
+    # How a completion's final answer is judged against the reference: number | string |
+    # choice | math (grpolab.tasks.answers). None: number for arithmetic; a file task's is
+    # inferred from its reference answers, and printed with the reason at start.
+    answer_kind: str | None = None
 
 
 @dataclass
@@ -61,6 +65,14 @@ class Task:
     train: list[Example]
     eval: list[Example]
     config: TaskConfig | None = None
+    # The task's judge: how every accuracy (the strict check, the accuracy reward, the reward
+    # probes, the evaluation) reads a final answer. One of tasks.answers.ANSWER_KINDS.
+    answer_kind: str = "number"
+    answer_kind_reason: str = ""  # why: declared, or what the inference saw
+
+    def describe_answers(self) -> str:
+        """The line the commands print at start: which judge and why."""
+        return f"task {self.name}: answers judged as {self.answer_kind} ({self.answer_kind_reason})"
 
     def sample(self, n: int, generator: torch.Generator | random.Random) -> list[Example]:
         """n distinct training examples drawn with `generator` (its state advances; the same
