@@ -28,7 +28,8 @@ def test_train_runs_the_preflight_first(tmp_path, capsys):
     # One line per group of checks as it starts, with the time so far: a real model's
     # preflight takes minutes.
     groups = re.findall(r"^preflight +(\d+\.\d) s  (\S.*)$", printed, re.MULTILINE)
-    assert len(groups) >= 4 and groups[0][1].startswith("sampling 8 prompts x 4")
+    assert len(groups) >= 4 and groups[0][1].startswith("tokenizer.coverage")
+    assert groups[1][1].startswith("sampling 8 prompts x 4")
     assert any(doing.startswith("the reward probes") for _, doing in groups)
     seconds = [float(t) for t, _ in groups]
     assert seconds == sorted(seconds)
