@@ -277,16 +277,19 @@ def draw(figures: list[Figure], run_dir: Path) -> None:
         with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": figure.name}):
             out = io.StringIO()
             mfig.savefig(out, format="svg")
-        figure.svg = inline_svg(out.getvalue())
+        figure.svg = inline_svg(out.getvalue(), figure.name.removesuffix(".png"))
 
 
-def inline_svg(svg: str) -> str:
+def inline_svg(svg: str, prefix: str) -> str:
     """matplotlib's SVG document as an element of an HTML page: no XML declaration, DOCTYPE or
-    metadata, and no namespace declarations (the HTML parser puts <svg> in its namespace), so
-    the page names no address outside itself."""
+    metadata, no namespace declarations (the HTML parser puts <svg> in its namespace), so the
+    page names no address outside itself; and every id (and reference to one) prefixed, so the
+    figures' "figure_1", "axes_1" and clip paths stay apart on one page."""
     svg = svg[svg.index("<svg") :]
     svg = re.sub(r"<metadata>.*?</metadata>\s*", "", svg, flags=re.S)
-    return re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", svg)
+    svg = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", svg)
+    svg = re.sub(r'\bid="([^"]+)"', rf'id="{prefix}-\1"', svg)
+    return re.sub(r'(url\(#|href="#)([^)"]+)', rf"\1{prefix}-\2", svg)
 
 
 def _matplotlib_figure(figure: Figure):
