@@ -178,6 +178,12 @@ def test_the_axis_rules_merge_equal_series_and_move_small_ones_out():
         "F (constant 0.5)",
     ]
     assert [ln.label for ln in own.lines] == ["S"] and own.lines[0].values[0] == 0.001
+    rows[4]["b"] += 0.1  # 1% of the span: drawn apart they would hide each other
+    (close,) = plan_panels(PanelSpec("units", (("a", "A"), ("b", "B"))), rows, {})
+    assert [ln.label for ln in close.lines] == ["A ≈ B"]
+    assert close.notes == ["B differs from A at 1 of 10 steps, by at most 0.1: drawn as one line"]
+    rows[4]["b"] += 0.2  # 3%: apart
+    assert len(plan_panels(PanelSpec("units", (("a", "A"), ("b", "B"))), rows, {})[0].lines) == 2
     (alone,) = plan_panels(PanelSpec("u", (("flat", "F"), ("gone", "G"))), rows, {"flat": "why"})
     assert not alone.lines and alone.notes == ["F: 0.5 at every step (10 steps); why"]
     (absent,) = plan_panels(PanelSpec("u", (("gone", "G"),)), rows, {})

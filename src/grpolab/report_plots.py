@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 SMALL = 0.1  # a series under this share of its panel's largest value gets a panel of its own
+# Series closer than this share of their panel's span (a line's width at the report's size)
+# are drawn as one line, with a note of their differences: drawn apart they hide each other.
+NEAR = 0.02
 NOTE_CHARS = 90  # a note is wrapped to lines of this many characters
 POINTS_PER_CURVE = 30  # a longer curve is also drawn as a moving average of len // 30 steps
 # Okabe-Ito colours and distinct dashes: lines that cross stay apart in colour and in print.
@@ -190,33 +193,17 @@ def constant_reasons(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict
 def plan_panels(
     spec: PanelSpec, rows: list[dict[str, Any]], reasons: dict[str, str]
 ) -> list[Panel]:
-    """One panel spec -> the panels drawn: identical series merged, constant ones turned into
+    """One panel spec -> the panels drawn: equal series merged, constant ones turned into
     notes (or dashed lines beside changing ones), small ones moved to panels of their own."""
-    lines: list[Line] = []
-    keys: list[list[str]] = []  # the metrics each line draws
-    for key, label in spec.series:
-        steps, values = series(rows, key)
-        same = [i for i, ln in enumerate(lines) if (ln.steps, ln.values) == (steps, values)]
-        if not steps:
-            continue
-        if same:
-            lines[same[0]].label += f" = {label}"
-            keys[same[0]].append(key)
-        else:
-            lines.append(Line(label, steps, values))
-            keys.append([key])
+    lines, keys, notes = gather_lines(spec, rows)
     if not lines:
-        return [
-            Panel(spec.ylabel, notes=[spec.missing or _not_logged(spec)], absent=not spec.missing)
-        ]
-    for ln, drawn in zip(lines, keys, strict=True):
-        if len(drawn) > 1 and not ln.constant:
-            ln.label += " (equal at every step)"
+        note = spec.missing or _not_logged(spec)
+        return [Panel(spec.ylabel, notes=[note], absent=not spec.missing)]
     if spec.points:  # a few evaluations: every point is shown as it is
-        return [Panel(spec.ylabel, lines, points=True)]
+        return [Panel(spec.ylabel, lines, notes, points=True)]
     moving = [ln for ln in lines if not ln.constant]
     log = spec.log and all(v > 0 for ln in lines for v in ln.values)
-    main, extra = Panel(spec.ylabel, log=log), []
+    main, extra = Panel(spec.ylabel, notes=notes, log=log), []
     for ln, drawn in zip(lines, keys, strict=True):
         if ln.constant and not moving:
             main.notes.append(_constant_note(ln, drawn, reasons))
@@ -228,6 +215,48 @@ def plan_panels(
         else:
             main.lines.append(ln)
     return [main, *extra]
+
+
+def gather_lines(
+    spec: PanelSpec, rows: list[dict[str, Any]]
+) -> tuple[list[Line], list[list[str]], list[str]]:
+    """The spec's logged series as lines, and the metrics each draws: series equal at every
+    step are one line ("a = b"), and so are series everywhere closer than NEAR of the panel's
+    span, which drawn apart would hide each other ("a ≈ b", with a note of where and by how
+    much they differ)."""
+    found = [(key, label, *series(rows, key)) for key, label in spec.series]
+    found = [f for f in found if f[2]]
+    every = [v for f in found for v in f[3]]
+    span = max(every) - min(every) if every else 0.0
+    lines: list[Line] = []
+    keys: list[list[str]] = []
+    firsts: list[str] = []  # each line's first label
+    notes: list[str] = []
+    for key, label, steps, values in found:
+        twin = [i for i, ln in enumerate(lines) if ln.steps == steps]
+        twin = [i for i in twin if _gap(lines[i].values, values) <= NEAR * span]
+        if not twin:
+            lines.append(Line(label, steps, values))
+            keys.append([key])
+            firsts.append(label)
+            continue
+        line, gap = lines[twin[0]], _gap(lines[twin[0]].values, values)
+        keys[twin[0]].append(key)
+        line.label += f" {'=' if gap == 0 else '≈'} {label}"
+        if gap > 0:
+            differ = sum(a != b for a, b in zip(line.values, values, strict=True))
+            notes.append(
+                f"{label} differs from {firsts[twin[0]]} at {differ} of {len(steps)} steps, "
+                f"by at most {gap:.2g}: drawn as one line"
+            )
+    for ln in lines:
+        if " = " in ln.label and " ≈ " not in ln.label and not ln.constant:
+            ln.label += " (equal at every step)"
+    return lines, keys, notes
+
+
+def _gap(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 def _constant_note(line: Line, keys: list[str], reasons: dict[str, str]) -> str:
@@ -295,7 +324,7 @@ def inline_svg(svg: str, prefix: str) -> str:
 def _matplotlib_figure(figure: Figure):
     from matplotlib.figure import Figure as MplFigure
 
-    heights = [2.2 if p.lines else 0.25 + 0.2 * _note_lines(p) for p in figure.panels]
+    heights = [(2.2 if p.lines else 0.25) + 0.2 * _note_lines(p) for p in figure.panels]
     mfig = MplFigure(figsize=(6.4, sum(heights) + 0.45), layout="constrained")
     axes = mfig.subplots(len(heights), 1, squeeze=False, height_ratios=heights)[:, 0]
     mfig.suptitle(figure.title, fontsize=11)
@@ -311,8 +340,11 @@ def _matplotlib_figure(figure: Figure):
             ax.text(0, 0.5, text, va="center", ha="left", fontsize=9, transform=ax.transAxes)
             continue
         _draw_lines(ax, panel, window)
-        ax.set_xlim(min(steps) - 0.5, max(steps) + 0.5)
-        ax.set_xlabel(xlabel if panel is drawn[-1] else "", fontsize=9)
+        pad = max(0.5, 0.02 * (max(steps) - min(steps)))  # the end points' markers stay whole
+        ax.set_xlim(min(steps) - pad, max(steps) + pad)
+        below = [xlabel] if panel is drawn[-1] else []  # the notes go under the x axis
+        below += [textwrap.fill(n, NOTE_CHARS) for n in panel.notes]
+        ax.set_xlabel("\n".join(below), fontsize=9)
     return mfig
 
 
