@@ -60,3 +60,17 @@ PYEOF
   esac
   echo "$want" > "$stamp"
 fi
+case ",$extras," in
+  *,test,*)
+    # The browser tests/test_report.py draws report.html in (Debian's package; the test fails
+    # without it). Checked on every run: it lives outside .venv.
+    if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+      sudo=""
+      [ "$(id -u)" = 0 ] || sudo="sudo -n"
+      echo "setup: installing chromium (apt-get) for the report test"
+      { $sudo apt-get -qq update && DEBIAN_FRONTEND=noninteractive $sudo apt-get -y -qq \
+          install chromium; } >/dev/null 2>&1 \
+        || echo "setup: could not install chromium; tests/test_report.py will fail without it"
+    fi
+    ;;
+esac

@@ -1,200 +1,252 @@
-"""`grpolab report RUN_DIR`: PNG plots of metrics.jsonl and a one-page summary (report.md)
-with sample completions from early, middle and late steps: a reward that is being gamed draws
-a rising curve, and only the completions show what it pays for."""
+"""`grpolab report RUN_DIR`: the run's curves as PNG files (`report_plots`), report.md, and
+report.html, one self-contained page with the curves, sample completions from early, middle
+and late steps with the strict verdict, the objective card and the preflight table
+(`report_html`): a reward that is being gamed draws a rising curve, and only the completions
+show what it pays for. A run cut short, a torn line or a missing file is said, not fatal."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from grpolab.report_html import Page, html_page
+from grpolab.report_plots import Figure, constant_reasons, draw, plan_figures, series
 from grpolab.strict import strict_equal
 from grpolab.tasks.answers import infer_answer_kind
-from grpolab.tracking import read_jsonl
+from grpolab.tracking import read_jsonl_counting
 
 SAMPLES_PER_STEP = 4  # completions shown for each of the early, middle and late steps
-
-# (file name, title, [(metric, label)], y label)
-PLOTS = (
-    (
-        "reward.png",
-        "Reward and accuracy (training samples at T; held-out greedy)",
-        [
-            ("reward/mean", "reward mean"),
-            ("accuracy", "accuracy"),
-            ("strict_accuracy", "strict accuracy"),
-            ("eval_accuracy_frac", "held-out"),
-            ("eval_strict_accuracy_frac", "held-out strict"),
-        ],
-        "",
-    ),
-    ("kl.png", "KL to the reference (k3)", [("kl", "kl")], "nats / token"),
-    (
-        "clip_frac.png",
-        "Clipped fraction of tokens",
-        [("clip_frac", "total"), ("clip_frac_low", "low"), ("clip_frac_high", "high")],
-        "fraction",
-    ),
-    (
-        "lengths.png",
-        "Completion length",
-        [("completion_length/mean", "mean"), ("completion_length/max", "max")],
-        "tokens",
-    ),
-    (
-        "time.png",
-        "Time per step",
-        [
-            ("time/rollout", "rollout"),
-            ("time/score", "score"),
-            ("time/logprobs", "logprobs"),
-            ("time/update", "update"),
-        ],
-        "seconds",
-    ),
-    ("loss.png", "Loss and gradient norm", [("loss", "loss"), ("grad_norm", "grad norm")], ""),
+TABLE_METRICS = (  # the metrics table: first step against the mean of the last 20
+    "reward/mean",
+    "accuracy",
+    "strict_accuracy",
+    "monitor/reward_strict_gap",
+    "frac_reward_zero_std",
+    "completion_length/mean",
+    "loss",
+    "kl",
+    "clip_frac",
+    "ratio_mean",
+    "grad_norm",
+    "time/step",
+    "tokens_per_s",
 )
+HELD_OUT = (("eval_accuracy", "accuracy"), ("eval_strict_accuracy", "strict_accuracy"))
 
 
-def smooth(values: list[float], window: int) -> list[float]:
-    """Trailing moving average (the raw curves of RL are noisy)."""
-    out, acc = [], []
-    for v in values:
-        acc.append(v)
-        if len(acc) > window:
-            acc.pop(0)
-        out.append(sum(acc) / len(acc))
-    return out
+@dataclass
+class RunFiles:
+    """What a run directory holds, each file read as far as it can be."""
+
+    path: Path
+    rows: list[dict[str, Any]]  # metrics.jsonl, one per step
+    summary: dict[str, Any]  # summary.json ({} when the run did not finish)
+    config: dict[str, Any]  # config.yaml
+    completions: list[dict[str, Any]]  # completions.jsonl
+    objective: str | None  # objective.txt
+    preflight: dict[str, Any] | None  # preflight.json
+    warnings: list[str] = field(default_factory=list)  # what is missing or damaged
 
 
-def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    steps, values = [], []
-    for r in rows:
-        v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            steps.append(r["step"])
-            values.append(float(v))
-    return steps, values
+def read_run(run_dir: str | Path) -> RunFiles:
+    path = Path(run_dir)
+    rows, torn = read_jsonl_counting(path / "metrics.jsonl")
+    rows = [r for r in rows if isinstance(r.get("step"), int)]
+    if not rows:
+        raise FileNotFoundError(f"{str(path)!r} holds no metrics.jsonl with records")
+    warnings = [f"metrics.jsonl: {torn} unreadable line(s) skipped"] if torn else []
+    completions, torn = read_jsonl_counting(path / "completions.jsonl")
+    warnings += [f"completions.jsonl: {torn} unreadable line(s) skipped"] if torn else []
+    objective = path / "objective.txt"
+    run = RunFiles(
+        path=path,
+        rows=rows,
+        summary=_read(path / "summary.json", json.loads, warnings) or {},
+        config=_read(path / "config.yaml", yaml.safe_load, warnings) or {},
+        completions=completions,
+        objective=objective.read_text(errors="replace") if objective.is_file() else None,
+        preflight=_read(path / "preflight.json", json.loads, warnings),
+        warnings=warnings,
+    )
+    run.warnings += _run_warnings(run)
+    return run
+
+
+def _read(path: Path, parse, warnings: list[str]) -> dict[str, Any] | None:
+    """A JSON or YAML mapping; None (and a warning when the file exists) if it cannot be read."""
+    if not path.is_file():
+        return None
+    try:
+        value = parse(path.read_text(errors="replace"))
+    except (ValueError, yaml.YAMLError) as e:
+        warnings.append(f"{path.name} is unreadable ({str(e).splitlines()[0]})")
+        return None
+    if not isinstance(value, dict):
+        warnings.append(f"{path.name} does not hold a mapping")
+        return None
+    return value
+
+
+def _run_warnings(run: RunFiles) -> list[str]:
+    warnings = []
+    last, max_steps = run.rows[-1]["step"], run.config.get("max_steps")
+    if not run.summary:
+        of = f" of {max_steps}" if isinstance(max_steps, int) else ""
+        warnings.append(f"no summary.json: the run did not finish (last logged step {last}{of})")
+    pre = run.preflight
+    if pre is None and not (run.path / "preflight.json").is_file():
+        warnings.append("no preflight.json: the checks of this run were not recorded")
+    elif pre is not None and pre.get("skipped"):
+        warnings.append(str(pre.get("warning", "preflight skipped")))
+    elif pre is not None and not pre.get("passed", True):
+        failed = [str(c.get("id")) for c in pre.get("checks", []) if not c.get("passed")]
+        warnings.append(f"preflight failed: {', '.join(failed)}")
+    monitored = [r for r in run.rows if r.get("warnings")]
+    if monitored:
+        first = monitored[0]
+        warnings.append(
+            f"monitor warnings at {len(monitored)} step(s); the first, at step {first['step']}: "
+            f"{first['warnings'][0]}"
+        )
+    return warnings
+
+
+def plot_rows(run: RunFiles) -> list[dict[str, Any]]:
+    """metrics.jsonl with the held-out accuracy before (step 0) and after training (the last
+    step) from summary.json, all in percent as logged."""
+    before, after = {"step": 0}, {"step": run.summary.get("steps", run.rows[-1]["step"])}
+    for key, name in HELD_OUT:
+        for row, when in ((before, "before"), (after, "after")):
+            value = run.summary.get(f"{name}_{when}")
+            if isinstance(value, int | float):
+                row[key] = value
+    return [r for r in (before,) if len(r) > 1] + run.rows + [r for r in (after,) if len(r) > 1]
 
 
 def write_report(run_dir: str | Path) -> Path:
-    """Write the plots and report.md into RUN_DIR; returns the report's path."""
-    import matplotlib
+    """Write the plots, report.md and report.html into RUN_DIR; returns report.md's path."""
+    run = read_run(run_dir)
+    rows = plot_rows(run)
+    figures = plan_figures(rows, constant_reasons(run.config, run.rows))
+    draw(figures, run.path)
+    samples = pick_samples(run.completions, kind=answer_kind(run.config, run.completions))
+    report = run.path / "report.md"
+    report.write_text("\n".join(markdown(run, figures, samples)) + "\n")
+    page = Page(
+        name=run.path.name,
+        path=str(run.path.resolve()),
+        facts=headline(run),
+        warnings=run.warnings,
+        figures=figures,
+        metrics=metrics_table(run.rows),
+        samples=samples,
+        objective=run.objective,
+        preflight=run.preflight,
+    )
+    (run.path / "report.html").write_text(html_page(page))
+    names = ", ".join(f.name for f in figures)
+    print(f"wrote {report}, {run.path / 'report.html'} and {len(figures)} plots: {names}")
+    return report
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    if not rows:
-        raise FileNotFoundError(f"{str(run_dir)!r} holds no metrics.jsonl with records")
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    held_out = (("eval_accuracy", "accuracy"), ("eval_strict_accuracy", "strict_accuracy"))
-    for r in rows:  # held-out accuracy is logged in percent; plot it as a fraction
-        for key, _ in held_out:
-            if isinstance(r.get(key), (int, float)):
-                r[f"{key}_frac"] = r[key] / 100
-    before = {"step": 0}  # held-out accuracy before and after GRPO, from the summary
-    for key, name in held_out:
-        if isinstance(summary.get(f"{name}_before"), (int, float)):
-            before[f"{key}_frac"] = summary[f"{name}_before"] / 100
-        if isinstance(summary.get(f"{name}_after"), (int, float)):
-            rows[-1][f"{key}_frac"] = summary[f"{name}_after"] / 100
-    if len(before) > 1:
-        rows.insert(0, before)
-    window = max(1, len(rows) // 30)
-    written = []
-    for name, title, series, ylabel in PLOTS:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        drew = False
-        for key, label in series:
-            steps, values = _series(rows, key)
-            if not steps:
-                continue
-            if key.startswith("eval_"):
-                ax.plot(steps, values, "o-", label=label)
-            else:
-                ax.plot(steps, values, alpha=0.25)
-                ax.plot(steps, smooth(values, window), label=f"{label} (avg {window})")
-            drew = True
-        if drew:
-            ax.set_title(title)
-            ax.set_xlabel("step")
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-            fig.tight_layout()
-            fig.savefig(run_dir / name, dpi=100)
-            written.append(name)
-        plt.close(fig)
+def headline(run: RunFiles) -> list[tuple[str, str]]:
+    """The facts at the top of the page: held-out accuracy before and after, the steps, time."""
+    s, facts = run.summary, []
+    for name, what in (("accuracy", "held-out accuracy"), ("strict_accuracy", "held-out strict")):
+        before, after = s.get(f"{name}_before"), s.get(f"{name}_after")
+        if isinstance(before, int | float) and isinstance(after, int | float):
+            facts.append(
+                (f"{what} ({after - before:+.1f} points)", f"{before:.1f}% → {after:.1f}%")
+            )
+    max_steps = run.config.get("max_steps")
+    steps = s.get("steps", run.rows[-1]["step"])
+    facts.append(("steps", f"{steps} of {max_steps}" if isinstance(max_steps, int) else f"{steps}"))
+    if isinstance(s.get("wall_seconds"), int | float):
+        facts.append(("wall time", f"{s['wall_seconds']:.0f} s"))
+    skipped = s.get("skipped_steps", run.rows[-1].get("skipped_steps"))
+    facts.append(("skipped steps (non-finite)", str(skipped if skipped is not None else "n/a")))
+    pre = run.preflight
+    if pre is not None and not pre.get("skipped") and isinstance(pre.get("checks"), list):
+        failed = sum(not c.get("passed") for c in pre["checks"] if isinstance(c, dict))
+        verdict = f"{failed} failed" if failed else "all pass"
+        facts.append((f"preflight, {len(pre['checks'])} checks", verdict))
+    return facts
 
-    rows = [r for r in rows if r is not before]
-    last = rows[-1]
 
-    def mean_of(key: str, tail: int = 20) -> str:
-        _, values = _series(rows[-tail:], key)
-        return f"{sum(values) / len(values):.4g}" if values else "n/a"
+def metrics_table(rows: list[dict[str, Any]], tail: int = 20) -> list[tuple[str, str, str]]:
+    """(metric, first step, mean of the last `tail` steps) for the metrics the run logged."""
+    table = []
+    for key in TABLE_METRICS:
+        _, first = series(rows[:1], key)
+        _, last = series(rows[-tail:], key)
+        if first or last:
+            mean = f"{sum(last) / len(last):.4g}" if last else "n/a"
+            table.append((key, f"{first[0]:.4g}" if first else "n/a", mean))
+    return table
 
-    lines = [f"# Run report: {run_dir.name}", ""]
-    if summary:
-        before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
+
+def markdown(run: RunFiles, figures: list[Figure], samples) -> list[str]:
+    """report.md: the result, the metrics table, the plots and the sample completions."""
+    lines = [f"# Run report: {run.path.name}", ""]
+    s = run.summary
+    if s:
+        before, after = s.get("accuracy_before"), s.get("accuracy_after")
         if before is not None and after is not None:
             lines.append(
                 f"**Held-out accuracy: {before:.1f}% -> {after:.1f}% "
-                f"({after - before:+.1f} points)** on {summary.get('eval_examples')} problems."
+                f"({after - before:+.1f} points)** on {s.get('eval_examples')} problems."
             )
-        strict = summary.get("strict_accuracy_before"), summary.get("strict_accuracy_after")
+        strict = s.get("strict_accuracy_before"), s.get("strict_accuracy_after")
         if None not in strict:
             lines.append(
                 f"Strict held-out accuracy (the final answer exactly the reference): "
                 f"{strict[0]:.1f}% -> {strict[1]:.1f}%."
             )
         lines.append(
-            f"Steps: {summary.get('steps')}, skipped (non-finite): "
-            f"{summary.get('skipped_steps', 0)}, wall time: {summary.get('wall_seconds', 0):.0f} s."
+            f"Steps: {s.get('steps')}, skipped (non-finite): "
+            f"{s.get('skipped_steps', 0)}, wall time: {s.get('wall_seconds', 0):.0f} s."
         )
         lines.append("")
-    first = rows[0]
-    lines += [
-        "| metric | first step | mean of last 20 steps |",
-        "|---|---|---|",
-    ]
-    for key in (
-        "reward/mean",
-        "accuracy",
-        "strict_accuracy",
-        "monitor/reward_strict_gap",
-        "frac_reward_zero_std",
-        "completion_length/mean",
-        "loss",
-        "kl",
-        "clip_frac",
-        "ratio_mean",
-        "grad_norm",
-        "time/step",
-        "tokens_per_s",
-    ):
-        if key in last:
-            v = first.get(key)
-            shown = f"{v:.4g}" if isinstance(v, (int, float)) else "n/a"
-            lines.append(f"| {key} | {shown} | {mean_of(key)} |")
-    lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in written]
-    records = read_jsonl(run_dir / "completions.jsonl")
-    lines += ["", *sample_completions(records, kind=answer_kind(run_dir, records))]
-    report = run_dir / "report.md"
-    report.write_text("\n".join(lines) + "\n")
-    print(f"wrote {report} and {len(written)} plots: {', '.join(written)}")
-    return report
+    lines += [f"- {w}" for w in run.warnings] + ([""] if run.warnings else [])
+    lines += ["| metric | first step | mean of last 20 steps |", "|---|---|---|"]
+    lines += [f"| {k} | {a} | {b} |" for k, a, b in metrics_table(run.rows)]
+    lines += ["", "## Plots", "", "Also in report.html, with the objective and the preflight.", ""]
+    lines += [f"![{f.name}]({f.name})" for f in figures]
+    return [*lines, "", *sample_lines(samples)]
 
 
-def answer_kind(run_dir: Path, records: list[dict[str, Any]]) -> str:
+def pick_samples(
+    records: list[dict[str, Any]], n: int = SAMPLES_PER_STEP, kind: str = "number"
+) -> list[tuple[int, str, list[dict[str, Any]]]]:
+    """The first, middle and last logged steps of completions.jsonl: (step, "early" | "middle"
+    | "late", up to n of its records, each with "strict": the final answer is the reference,
+    judged as answers of `kind`)."""
+    steps = sorted({r["step"] for r in records if isinstance(r.get("step"), int)})
+    if not steps:
+        return []
+    picked = {steps[len(steps) // 2]: "middle"}  # step -> label: first and last win ties
+    picked |= {steps[-1]: "late"} | {steps[0]: "early"}
+    out = []
+    for step in sorted(picked):
+        chosen = [r for r in records if r.get("step") == step][:n]
+        chosen = [r | {"strict": judged(r, kind)} for r in chosen]
+        out.append((step, picked[step], chosen))
+    return out
+
+
+def judged(record: dict[str, Any], kind: str) -> bool:
+    """Whether a logged completion's final answer is its reference (the strict check)."""
+    return strict_equal(str(record.get("completion", "")), str(record.get("answer", "")), kind)
+
+
+def answer_kind(config: dict[str, Any], records: list[dict[str, Any]]) -> str:
     """The run's answer kind: its config's task.answer_kind, else the arithmetic task's
     number, else inferred from the logged reference answers as the run inferred it."""
-    import yaml
-
-    config = run_dir / "config.yaml"
-    task = (yaml.safe_load(config.read_text()) or {}).get("task", {}) if config.is_file() else {}
+    task = config.get("task") or {}
     if task.get("answer_kind"):
         return task["answer_kind"]
     if task.get("name", "arithmetic") == "arithmetic":
@@ -208,26 +260,27 @@ def sample_completions(
     """report.md's section of completions.jsonl: the first, middle and last logged steps, up
     to n completions each, with their reward and whether the final answer is the reference
     (the strict check, judging answers of `kind`)."""
+    return sample_lines(pick_samples(records, n, kind))
+
+
+def sample_lines(samples: list[tuple[int, str, list[dict[str, Any]]]]) -> list[str]:
     lines = ["## Sample completions", ""]
-    steps = sorted({r["step"] for r in records if isinstance(r.get("step"), int)})
-    if not steps:
+    if not samples:
         return [*lines, "No completions were logged (trainer.log_completions_steps=0)."]
     lines += [
         "The training reward beside the strict check (the final answer, as written, is exactly "
         "the reference). A reward that pays where the strict check says no is being gamed.",
         "",
     ]
-    picked = {steps[len(steps) // 2]: "middle"}  # step -> label: first and last win ties
-    picked |= {steps[-1]: "late"} | {steps[0]: "early"}
-    for step in sorted(picked):
-        lines += [f"### Step {step} ({picked[step]})", ""]
+    for step, when, records in samples:
+        lines += [f"### Step {step} ({when})", ""]
         lines += ["| prompt | completion | answer | reward | strict |", "|---|---|---|---|---|"]
-        for r in [r for r in records if r.get("step") == step][:n]:
-            completion, answer = str(r.get("completion", "")), str(r.get("answer", ""))
-            verdict = "yes" if strict_equal(completion, answer, kind) else "**no**"
+        for r in records:
             reward = r.get("reward")
-            shown = f"{reward:.3g}" if isinstance(reward, (int, float)) else "n/a"
-            cells = (_cell(r.get("prompt", "")), _cell(completion), _cell(answer), shown, verdict)
+            shown = f"{reward:.3g}" if isinstance(reward, int | float) else "n/a"
+            verdict = "yes" if r["strict"] else "**no**"
+            cells = (_cell(r.get("prompt", "")), _cell(r.get("completion", "")))
+            cells += (_cell(r.get("answer", "")), shown, verdict)
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return lines
