@@ -1,9 +1,11 @@
 try:
     from grpolab.cli import main
 except KeyboardInterrupt:  # Ctrl-C while Python reads the command line's module
+    import os
     import sys
 
     print("grpolab: interrupted", file=sys.stderr)
-    raise SystemExit(130) from None
+    sys.stderr.flush()
+    os._exit(130)
 
 raise SystemExit(main())

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 
 # A config override: a dotted key, "=", a value (e.g. trainer.learning_rate=1e-6).
@@ -290,13 +292,55 @@ def _subcommand_parser(parser: argparse.ArgumentParser, name: str):
     return None
 
 
+# Set by the first Ctrl-C. Some libraries turn a KeyboardInterrupt raised inside their
+# imports into another error (transformers' lazy modules raise ModuleNotFoundError "from" it),
+# so whether the user interrupted is remembered here rather than read from the exception.
+_interrupted = False
+
+
+def _on_interrupt(signum, frame) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def _caused_by_interrupt(err: BaseException | None) -> bool:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Ctrl-C at any moment, imports and model loading included, ends in one line (130)."""
+    previous = signal.getsignal(signal.SIGINT)
+    remember = previous is signal.default_int_handler and threading.current_thread() is (
+        threading.main_thread()  # only the main thread may set a handler
+    )
+    if remember:
+        signal.signal(signal.SIGINT, _on_interrupt)
     try:
         return _main(argv)
-    except KeyboardInterrupt:
-        print("grpolab: interrupted", file=sys.stderr)
-        return 130
+    except BaseException as err:
+        if not (_interrupted or _caused_by_interrupt(err)) or isinstance(err, SystemExit):
+            raise
+        exit_interrupted()
+    finally:
+        if remember:
+            signal.signal(signal.SIGINT, previous)
+
+
+def exit_interrupted() -> None:
+    """One line and exit 130 at once: a half-finished import (torch's, interrupted) can make
+    the interpreter's own shutdown end the process by SIGINT instead, so it is skipped; there
+    is nothing left to write (checkpoints are written atomically before this point)."""
+    print("grpolab: interrupted", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -311,7 +355,7 @@ def _main(argv: list[str] | None) -> int:
         with json_stdout(getattr(args, "json", False)):  # --json: stdout holds the JSON alone
             return args.func(args)
     except Exception as err:  # a failure no command anticipated: one line, not a traceback
-        if os.environ.get("GRPOLAB_TRACEBACK"):
+        if os.environ.get("GRPOLAB_TRACEBACK") or _interrupted or _caused_by_interrupt(err):
             raise
         frame = traceback.extract_tb(err.__traceback__)[-1]
         return _fail(
