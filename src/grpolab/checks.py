@@ -261,6 +261,18 @@ def _signed_advantages(B: int) -> torch.Tensor:
     return torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2))
 
 
+def _distinct_signed_advantages(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """[B] +1, -1, +1, ... over the batch's DISTINCT sequences, copies of a sequence sharing
+    its sign: a confident model samples one completion G times, and +1 and -1 on two copies
+    of it cancel in the gradient exactly, leaving nothing for an SGD step to show. None when
+    the batch holds one sequence only (no direction to measure)."""
+    keys = [tuple((row * m).tolist()) for row, m in zip(input_ids, attention_mask, strict=True)]
+    order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    if len(order) < 2:
+        return None
+    return torch.tensor([1.0 if order[k] % 2 == 0 else -1.0 for k in keys])
+
+
 def _max_abs(x: torch.Tensor) -> float:
     return x.abs().max().item() if x.numel() else 0.0
 
@@ -1131,7 +1143,11 @@ def _sgd_direction(impl: CoreFunctions, model, batch: PreflightBatch, s: Preflig
     policy = model if fp32 else copy.deepcopy(model).float()
     policy.eval()
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature)
-    advantages = _signed_advantages(batch.input_ids.shape[0])
+    advantages = _distinct_signed_advantages(batch.input_ids, batch.attention_mask)
+    if advantages is None:
+        return _result(
+            "loss.sgd_direction", 7, "the batch holds one distinct sequence", 0, "-", True
+        )
     with torch.no_grad():
         before, mask = core.sequence_logprobs(policy, *args)
     policy.zero_grad(set_to_none=True)
