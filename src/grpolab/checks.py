@@ -261,6 +261,18 @@ def _signed_advantages(B: int) -> torch.Tensor:
     return torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2))
 
 
+def _distinct_signed_advantages(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """[B] +1, -1, +1, ... over the batch's DISTINCT sequences, copies of a sequence sharing
+    its sign: a confident model samples one completion G times, and +1 and -1 on two copies
+    of it cancel in the gradient exactly, leaving nothing for an SGD step to show. None when
+    the batch holds one sequence only (no direction to measure)."""
+    keys = [tuple((row * m).tolist()) for row, m in zip(input_ids, attention_mask, strict=True)]
+    order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    if len(order) < 2:
+        return None
+    return torch.tensor([1.0 if order[k] % 2 == 0 else -1.0 for k in keys])
+
+
 def _max_abs(x: torch.Tensor) -> float:
     return x.abs().max().item() if x.numel() else 0.0
 
@@ -620,25 +632,63 @@ def check_ratio(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightS
         yield result
 
 
+# Probe log-ratios keep this far from every bound of the objective: far above the rounding of
+# a float32 log-prob difference (~3e-7 at |logp| <= 3), so clipped or not is never a float tie.
+PROBE_MARGIN = 1e-4
+
+
+def log_ratio_bounds(o: Objective) -> list[float]:
+    """Every log-ratio at which the configured surrogate changes branch (sorted): the clip's
+    1 - eps and 1 + eps_high (CISPO: its cap), delta, dual-clip's c, the log-ratio clamp."""
+    if o.surrogate == "cispo":
+        ratios = [o.epsilon_high]
+    else:
+        ratios = [1 - o.epsilon, 1 + o.epsilon_high]
+        ratios += [b for b in (o.delta, o.dual_clip) if b is not None]
+    bounds = [math.log(r) for r in ratios if r > 0]
+    if o.log_ratio_clamp is not None:
+        bounds += [-o.log_ratio_clamp, o.log_ratio_clamp]
+    return sorted(set(bounds))
+
+
+def placed_log_ratio(x: float, bounds: list[float], margin: float = PROBE_MARGIN) -> float:
+    """x moved off every bound: a probe nearer than margin to one goes to margin beyond it on
+    the side it lies on (above it when exactly on it), past any bound that is as near."""
+    for _ in range(len(bounds) + 1):
+        near = [b for b in bounds if abs(x - b) < margin]
+        if not near:
+            return x
+        b = near[0]
+        x = b + margin * 1.5 if x >= b else b - margin * 1.5
+    return x
+
+
+def placed_log_ratios(log_ratios: torch.Tensor, o: Objective) -> torch.Tensor:
+    """[B, T] float64 log-ratios, each placed off the objective's bounds."""
+    bounds = log_ratio_bounds(o)
+    out = [placed_log_ratio(float(x), bounds) for x in log_ratios.flatten()]
+    return torch.tensor(out, dtype=torch.float64).view(log_ratios.shape)
+
+
 def _clip_case(s: PreflightSettings):
-    """Ratios on both sides of both clip bounds, for both signs of the advantage, [4, 8]."""
-    lo, hi = 1 - s.objective.epsilon, 1 + s.objective.epsilon_high
-    mid_hi = (
-        1 + (s.objective.epsilon + s.objective.epsilon_high) / 2
-    )  # between 1 + min(eps) and 1 + max(eps)
+    """Ratios on both sides of both clip bounds, for both signs of the advantage, [4, 8]:
+    placed in log-ratio (never negative, never on a bound)."""
+    o = s.objective
+    lo, hi = math.log(max(1 - o.epsilon, 1e-6)), math.log1p(o.epsilon_high)
+    # between 1 + min(eps) and 1 + max(eps), and between 1 - max(eps) and 1 - min(eps)
     # (CISPO's epsilon_high is a cap > 1: keep that ratio positive)
-    mid_lo = max(1 - (s.objective.epsilon + s.objective.epsilon_high) / 2, 0.05)
-    ratios = torch.tensor(
-        [
-            [1.0, 1.05, hi + 0.1, hi + 0.5, lo - 0.1, 0.95, mid_hi, mid_lo],
-            [1.0, 1.05, hi + 0.1, hi + 0.5, lo - 0.1, 0.95, mid_hi, mid_lo],
-            [0.9, 1.1, hi + 0.2, lo - 0.05, lo - 0.3, 1.0, mid_hi, mid_lo],
-            [0.9, 1.1, hi + 0.2, lo - 0.05, lo - 0.3, 1.0, mid_hi, mid_lo],
-        ],
-        dtype=torch.float64,
-    )
+    mid_hi = math.log1p((o.epsilon + o.epsilon_high) / 2)
+    mid_lo = math.log(max(1 - (o.epsilon + o.epsilon_high) / 2, 0.05))
+    l9, l95, l105, l11 = (math.log(r) for r in (0.9, 0.95, 1.05, 1.1))
+    rows = [
+        [0.0, l105, hi + 0.1, hi + 0.4, lo - 0.1, l95, mid_hi, mid_lo],
+        [0.0, l105, hi + 0.1, hi + 0.4, lo - 0.1, l95, mid_hi, mid_lo],
+        [l9, l11, hi + 0.2, lo - 0.05, lo - 0.3, 0.0, mid_hi, mid_lo],
+        [l9, l11, hi + 0.2, lo - 0.05, lo - 0.3, 0.0, mid_hi, mid_lo],
+    ]
+    log_ratios = placed_log_ratios(torch.tensor(rows, dtype=torch.float64), o)
     logp_old = -torch.linspace(0.5, 3.0, 32, dtype=torch.float64).view(4, 8)
-    logp_new = logp_old + torch.log(ratios)
+    logp_new = logp_old + log_ratios
     advantages = torch.tensor([1.0, -1.0, 0.7, -1.3], dtype=torch.float64)
     mask = torch.ones(4, 8, dtype=torch.float64)
     mask[2, 6:] = 0  # padding at the end of one row
@@ -751,14 +801,22 @@ def clip_ids(o: Objective) -> tuple[str, ...]:
     return tuple(ids)
 
 
-def _ratio_case(ratios: list[list[float]], advantages: list[float], lengths: list[int]):
-    """logp_new, logp_old, advantages, mask for the given per-token ratios [B, T]; row i has
-    lengths[i] completion tokens (the rest padding)."""
-    r = torch.tensor(ratios, dtype=torch.float64)
-    B, T = r.shape
+def _ratio_case(
+    ratios: list[list[float]], advantages: list[float], lengths: list[int], o: Objective
+):
+    """logp_new, logp_old, advantages, mask for the given per-token ratios [B, T], each placed
+    off the objective's bounds (under GSPO: each row's mean log-ratio); row i has lengths[i]
+    completion tokens (the rest padding)."""
+    log_r = placed_log_ratios(torch.log(torch.tensor(ratios, dtype=torch.float64)), o)
+    B, T = log_r.shape
     logp_old = -torch.linspace(0.4, 2.5, B * T, dtype=torch.float64).view(B, T)
     mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).double()
-    logp_new = logp_old + torch.log(r)
+    if o.importance_sampling_level == "sequence":
+        mean = (log_r * mask).sum(1) / mask.sum(1)
+        bounds = log_ratio_bounds(o)
+        shift = torch.tensor([placed_log_ratio(float(m), bounds) - float(m) for m in mean])
+        log_r = log_r + shift.double()[:, None]
+    logp_new = logp_old + log_r
     A = torch.tensor(advantages, dtype=torch.float64)
     return logp_new.float(), logp_old.float(), A.float(), mask.float()
 
@@ -772,7 +830,7 @@ def _option_checks(impl: CoreFunctions, s: PreflightSettings):
         # Ratios below and above the cap, both signs of A.
         hi = o.epsilon_high
         case = _ratio_case(
-            [[0.5, 1.0, hi * 0.9, hi * 1.5], [0.7, 1.3, hi * 1.2, 2.0]], [0.8, -1.1], [4, 3]
+            [[0.5, 1.0, hi * 0.9, hi * 1.5], [0.7, 1.3, hi * 1.2, 2.0]], [0.8, -1.1], [4, 3], o
         )
         (_, _, grad), (_, _, ref_grad) = _values_and_grads(impl, o, *case)
         gap = _max_abs((grad.double() - ref_grad)[case[3].bool()])
@@ -792,6 +850,7 @@ def _option_checks(impl: CoreFunctions, s: PreflightSettings):
             [[bound - 0.3, bound + 0.5, 1.0, 0.5], [bound - 0.3, bound + 0.5, 1.1, 0.9]],
             [-1.0, 0.7],
             [4, 4],
+            o,
         )
         (values, _, grad), (ref, _, ref_grad) = _values_and_grads(impl, o, *case)
         gap = max(_max_abs(values.double() - ref), _max_abs(grad.double() - ref_grad))
@@ -817,6 +876,7 @@ def _gspo_checks(impl: CoreFunctions, s: PreflightSettings):
         ],
         [1.0, 1.0, -0.5],
         [6, 3, 2],
+        o,
     )
     (values, _, _), (ref, _, _) = _values_and_grads(impl, o, *case)
     gap = _max_abs((values.double() - ref)[case[3].bool()])
@@ -1083,7 +1143,11 @@ def _sgd_direction(impl: CoreFunctions, model, batch: PreflightBatch, s: Preflig
     policy = model if fp32 else copy.deepcopy(model).float()
     policy.eval()
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature)
-    advantages = _signed_advantages(batch.input_ids.shape[0])
+    advantages = _distinct_signed_advantages(batch.input_ids, batch.attention_mask)
+    if advantages is None:
+        return _result(
+            "loss.sgd_direction", 7, "the batch holds one distinct sequence", 0, "-", True
+        )
     with torch.no_grad():
         before, mask = core.sequence_logprobs(policy, *args)
     policy.zero_grad(set_to_none=True)

@@ -510,6 +510,7 @@ def validate_values(cfg: Config) -> None:
     _need(0 <= t.epsilon < 1, "trainer.epsilon", t.epsilon, "a number in [0, 1)")
     _need(t.epsilon_high >= 0, "trainer.epsilon_high", t.epsilon_high, "a number >= 0")
     _need(t.beta >= 0, "trainer.beta", t.beta, "a number >= 0")
+    _need(t.advantage_eps >= 0, "trainer.advantage_eps", t.advantage_eps, "a number >= 0")
     _need(t.num_iterations >= 1, "trainer.num_iterations", t.num_iterations, "an integer >= 1")
     losses = list(AGGREGATIONS) + sorted(LOSS_TYPE_ALIASES)
     _need(t.loss_type in losses, "trainer.loss_type", t.loss_type, f"one of {losses}")

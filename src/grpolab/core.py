@@ -145,9 +145,9 @@ def group_advantages(
     elif estimator == "reinforce_pp":
         adv = whiten(r - mean, None if lengths is None else lengths.view_as(r), unbiased)
     elif scale == "group":
-        adv = (r - mean) / (std + eps)
+        adv = (r - mean) / _nonzero(std + eps)
     elif scale == "batch":
-        adv = (r - mean) / (rewards.std(unbiased=unbiased) + eps)
+        adv = (r - mean) / _nonzero(rewards.std(unbiased=unbiased) + eps)
     else:
         adv = r - mean
     if zero_std_guard:
@@ -155,6 +155,12 @@ def group_advantages(
         # of 1e-8 would otherwise turn float noise into huge advantages.
         adv = torch.where(std > eps, adv, torch.zeros_like(adv))
     return adv.view(-1)
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    """scale, its zeros raised to the smallest normal float: with eps = 0 a flat group is
+    0 / tiny = 0, not 0 / 0 = NaN; any other scale is unchanged, bit for bit."""
+    return scale.clamp(min=torch.finfo(scale.dtype).tiny)
 
 
 def whiten(
@@ -263,6 +269,9 @@ def importance_ratio(
 # --- KL to the reference ----------------------------------------------------------------------
 
 
+K3_MAX_LOG_RATIO = 40.0  # exp(40) ~ 2e17: summed over any batch, still finite in float32
+
+
 def kl_k3(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(new || ref) per token: exp(d) - d - 1, d = ref - new.
 
@@ -272,7 +281,9 @@ def kl_k3(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"logp_new {tuple(logp_new.shape)} and logp_ref {tuple(logp_ref.shape)} differ"
         )
-    d = logp_ref - logp_new
+    # d capped at K3_MAX_LOG_RATIO: exp(d) of a float32 overflows at d ~ 88, and an inf (its
+    # gradient a NaN) would poison the whole loss; below the cap nothing changes.
+    d = (logp_ref - logp_new).clamp(max=K3_MAX_LOG_RATIO)
     return torch.exp(d) - d - 1
 
 
