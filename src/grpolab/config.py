@@ -862,7 +862,20 @@ def validate_world(cfg: Config, world: int) -> None:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The config as plain data; a reward function given as a callable (the Python API) is
+    recorded by its qualified name, "module:qualname", the syntax rewards.functions reads."""
+    tree = dataclasses.asdict(cfg)
+    rewards = tree.get("rewards")
+    if isinstance(rewards, dict):
+        rewards["functions"] = [_function_name(f) for f in rewards["functions"]]
+    return tree
+
+
+def _function_name(ref: Any) -> Any:
+    if not callable(ref):
+        return ref
+    name = getattr(ref, "__qualname__", type(ref).__qualname__)
+    return f"{getattr(ref, '__module__', None) or '__main__'}:{name}"
 
 
 def to_yaml(cfg: Config) -> str:
