@@ -104,3 +104,16 @@ def test_the_example_script_runs_as_written(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "preflight: all" in done.stdout
     assert "held-out accuracy" in done.stdout.splitlines()[-1]
+
+
+def test_a_datasets_dataset_is_read_as_its_rows():
+    datasets = pytest.importorskip("datasets")
+    from grpolab.tasks import load_task
+
+    trainer = GRPOTrainer(
+        train_dataset=datasets.Dataset.from_list(rows(30)),
+        args=GRPOConfig(**{"task.eval_fraction": 0.2}),
+    )
+    task = load_task(trainer.config.task)
+    assert (len(task.train), len(task.eval)) == (24, 6)
+    assert all(e.columns["parity"] in (0, 1) for e in task.train + task.eval)

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from grpolab.config import Config, ConfigError, load_config
+from grpolab.config import Config, ConfigError, check_overrides, load_config
 from grpolab.preflight import preflight
 from grpolab.trainer import run_eval, train
 
@@ -84,7 +84,9 @@ class GRPOConfig:
 
     def __init__(self, **values: Any):
         self.values = values
-        load_config(overrides=self.overrides())  # a bad name or value is refused here, named
+        # A bad name or value is refused here, where it was written; the checks between keys
+        # (a file task's keys need task.name=jsonl) run when the trainer has the whole config.
+        check_overrides(self.overrides())
 
     def overrides(self) -> list[str]:
         """The `key=value` overrides for grpolab's load_config."""
