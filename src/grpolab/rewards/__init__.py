@@ -30,6 +30,7 @@ from grpolab.rewards.builtin import (
     make_format,
     make_overlong,
 )
+from grpolab.rewards.judge import remote
 from grpolab.rewards.functions import (
     BUILTIN_REWARDS,
     RewardCallError,
@@ -316,5 +317,6 @@ __all__ = [
     "Rewards",
     "RewardsConfig",
     "load_rewards",
+    "remote",
     "score",
 ]
