@@ -17,7 +17,7 @@ SEEN: list[dict] = []
 
 
 class Judge(BaseHTTPRequestHandler):
-    def do_POST(self):  # noqa: N802 (http.server's name)
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         SEEN.append(body)
         if self.path == "/slow":
@@ -26,7 +26,9 @@ class Judge(BaseHTTPRequestHandler):
             self.send_response(500)
             self.end_headers()
             return
-        rewards = [float(c.strip() == a) for c, a in zip(body["completions"], body["answer"])]
+        rewards = [
+            float(c.strip() == a) for c, a in zip(body["completions"], body["answer"], strict=True)
+        ]
         answer = {"rewards": rewards} if self.path == "/dict" else rewards
         data = json.dumps(answer).encode()
         self.send_response(200)

@@ -30,13 +30,13 @@ from grpolab.rewards.builtin import (
     make_format,
     make_overlong,
 )
-from grpolab.rewards.judge import remote
 from grpolab.rewards.functions import (
     BUILTIN_REWARDS,
     RewardCallError,
     RewardFunction,
     resolve_function,
 )
+from grpolab.rewards.judge import remote
 from grpolab.rollout.base import Rollout
 from grpolab.rollout.episodes import episode_metrics
 from grpolab.tasks.base import Example, Task, TaskConfig
