@@ -257,6 +257,7 @@ INERT_CASES = [
     ["task.path=x.jsonl"],
     ["task.split=test", "task.name=jsonl", "task.path=x.jsonl"],
     ["task.system_prompt=Be brief."],
+    ["task.eval_fraction=0.1", "task.name=jsonl", "task.path=x.jsonl", "task.eval_path=y.jsonl"],
     ["trainer.scale_rewards=batch", "trainer.advantage_estimator=rloo"],
     ["trainer.advantage_eps=1e-6", "trainer.advantage_estimator=rloo",
      "trainer.zero_std_guard=false"],

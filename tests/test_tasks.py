@@ -276,3 +276,42 @@ def test_a_declared_kind_must_fit_every_reference():
         load_task(TaskConfig(answer_kind="word"))
     # Any reference is text, and math-verify reads any text.
     assert load_task(jsonl_task("choice.jsonl", answer_kind="string")).answer_kind == "string"
+
+
+def test_eval_fraction_holds_out_that_share_and_the_split_is_said(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n"
+                            for i in range(200)))  # fmt: skip
+    task = load_task(TaskConfig(name="jsonl", path=str(path), eval_fraction=0.1))
+    assert (len(task.train), len(task.eval)) == (180, 20)
+    assert {e.prompt for e in task.train}.isdisjoint(e.prompt for e in task.eval)
+    assert task.describe_split().startswith("task jsonl: 180 training rows, 20 held out")
+    assert "task.eval_fraction=0.1" in task.describe_split()
+    # the default split is said too, with how to choose another
+    default = load_task(TaskConfig(name="jsonl", path=str(path)))
+    assert (len(default.train), len(default.eval)) == (100, 100)
+    assert "task.eval_path or task.eval_fraction" in default.describe_split()
+
+
+def test_a_file_with_many_bad_rows_names_them_all_up_to_a_limit(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    good = [json.dumps({"prompt": "q", "answer": "1"})] * 3
+    bad = [json.dumps({"prompt": "", "answer": "1"}), json.dumps({"prompt": "q"})] * 7
+    path.write_text("\n".join(good + bad) + "\n")
+    with pytest.raises(ValueError) as e:
+        load_task(TaskConfig(name="jsonl", path=str(path)))
+    text = str(e.value)
+    assert text.startswith("14 of 17 rows are bad")
+    assert f"{path} line 4:" in text and f"{path} line 5: no field 'answer'" in text
+    assert text.count(str(path)) == 10 and text.endswith("... and 4 more")
+
+
+def test_csv_rows_load_with_their_lines(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("prompt,answer,topic\nCapital of France?,Paris,geo\n,Rome,geo\n")
+    with pytest.raises(ValueError, match=r"rows\.csv line 3: field 'prompt' is empty"):
+        load_task(TaskConfig(name="jsonl", path=str(path)))
+    path.write_text("prompt,answer,topic\nCapital of France?,Paris,geo\nOf Italy?,Rome,geo\n")
+    task = load_task(TaskConfig(name="jsonl", path=str(path), eval_path=str(path)))
+    assert [(e.prompt, e.answer, e.columns["topic"]) for e in task.train] == [
+        ("Capital of France?", "Paris", "geo"), ("Of Italy?", "Rome", "geo")]  # fmt: skip

@@ -289,6 +289,17 @@ def load_config(
     return cfg
 
 
+def check_overrides(overrides: list[str]) -> None:
+    """Each `key=value` names a key and has a value of its type (ConfigError naming it); the
+    checks between keys wait for load_config, when the whole config is known."""
+    schema = OmegaConf.structured(Config)
+    for item in overrides:
+        try:
+            OmegaConf.merge(schema, _override_layer(item, schema))
+        except OmegaConfBaseException as e:
+            raise ConfigError(_describe(e, schema)) from None
+
+
 NOTES = "_load_notes"  # what loading set aside, kept on the instance (not a config key)
 
 
@@ -672,7 +683,7 @@ class Inert:
 
 
 def _local_file(path: str | None) -> bool:
-    return bool(path) and (Path(path).suffix.lower() in (".jsonl", ".json", ".parquet")
+    return bool(path) and (Path(path).suffix.lower() in (".jsonl", ".json", ".csv", ".parquet")
                            or Path(path).expanduser().exists())  # fmt: skip
 
 
@@ -688,7 +699,7 @@ MONITOR_KEYS = tuple(f"trainer.{f.name}" for f in dataclasses.fields(TrainerConf
 LORA_KEYS = ("trainer.lora_alpha", "trainer.lora_dropout", "trainer.lora_target_modules")
 ARITHMETIC_KEYS = ("task.min_operand", "task.max_operand", "task.operators")
 FILE_TASK_KEYS = ("task.path", "task.eval_path", "task.subset", "task.split", "task.eval_split",
-                  "task.prompt_field", "task.answer_field")  # fmt: skip
+                  "task.prompt_field", "task.answer_field", "task.eval_fraction")  # fmt: skip
 ADVANTAGE_CAUSES = ("trainer.advantage_estimator", "trainer.scale_rewards",
                     "trainer.zero_std_guard", "trainer.dynamic_sampling")  # fmt: skip
 
@@ -730,6 +741,9 @@ INERT = (
           lambda c: c.task.name != "arithmetic" and _local_file(c.task.path),
           "with a local file as task.path: it picks a Hugging Face dataset's config or split "
           "(a local held-out file is task.eval_path)"),
+    Inert(("task.eval_fraction",), ("task.eval_path", "task.eval_split"),
+          lambda c: bool(c.task.eval_path or c.task.eval_split),
+          "with a separate held-out set (task.eval_path / task.eval_split)"),
     Inert(("task.system_prompt",), ("task.chat_template",), lambda c: not c.task.chat_template,
           "with task.chat_template=false: a plain prompt has no system turn"),
     Inert(("trainer.scale_rewards",), ("trainer.advantage_estimator",),
@@ -771,8 +785,9 @@ INERT = (
           ("trainer.eval_examples",), lambda c: c.trainer.eval_examples == 0,
           "with trainer.eval_examples=0: no held-out evaluation runs"),
     Inert(("trainer.eval_steps", "trainer.eval_examples", "trainer.eval_max_completion_length"),
-          ("task.num_eval", "task.eval_path", "task.eval_split"),
-          lambda c: c.task.num_eval == 0 and not (c.task.eval_path or c.task.eval_split),
+          ("task.num_eval", "task.eval_path", "task.eval_split", "task.eval_fraction"),
+          lambda c: c.task.num_eval == 0
+          and not (c.task.eval_path or c.task.eval_split or c.task.eval_fraction),
           "with task.num_eval=0: the task holds no held-out problems"),
     Inert(("trainer.log_completions_count",), ("trainer.log_completions_steps",),
           lambda c: c.trainer.log_completions_steps == 0,
@@ -863,7 +878,20 @@ def validate_world(cfg: Config, world: int) -> None:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The config as plain data; a reward function given as a callable (the Python API) is
+    recorded by its qualified name, "module:qualname", the syntax rewards.functions reads."""
+    tree = dataclasses.asdict(cfg)
+    rewards = tree.get("rewards")
+    if isinstance(rewards, dict):
+        rewards["functions"] = [_function_name(f) for f in rewards["functions"]]
+    return tree
+
+
+def _function_name(ref: Any) -> Any:
+    if not callable(ref):
+        return ref
+    name = getattr(ref, "__qualname__", type(ref).__qualname__)
+    return f"{getattr(ref, '__module__', None) or '__main__'}:{name}"
 
 
 def to_yaml(cfg: Config) -> str:

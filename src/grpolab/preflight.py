@@ -481,6 +481,7 @@ def preflight(
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
     run = build_run(cfg, model, tokenizer, functions=functions)
     if console is not None:
+        console.print(run.task.describe_split())
         console.print(run.task.describe_answers())
     if episode_functions is not None and getattr(run.engine, "episodes", None) is not None:
         run.engine.episodes.functions = episode_functions

@@ -236,6 +236,7 @@ def gate(session: Session, skip_preflight: bool, stage: Stage | None = None) -> 
     session.staged |= {"config.yaml": to_yaml(cfg), "objective.txt": card + "\n"}
     console.print("[bold]Resolved config[/bold]\n" + to_yaml(cfg))
     console.print(escape(card))
+    console.print(run.task.describe_split())
     console.print(run.task.describe_answers())
     sharded = dist_module.is_sharded(run.model)
     if sharded and not skip_preflight:  # its probes deep-copy the model, which FSDP2 refuses

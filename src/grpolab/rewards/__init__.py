@@ -36,6 +36,7 @@ from grpolab.rewards.functions import (
     RewardFunction,
     resolve_function,
 )
+from grpolab.rewards.judge import remote
 from grpolab.rollout.base import Rollout
 from grpolab.rollout.episodes import episode_metrics
 from grpolab.tasks.base import Example, Task, TaskConfig
@@ -316,5 +317,6 @@ __all__ = [
     "Rewards",
     "RewardsConfig",
     "load_rewards",
+    "remote",
     "score",
 ]

@@ -1,8 +1,10 @@
 """Resolving reward names to functions, and calling one function safely.
 
 A reward is a built-in name (accuracy, format, overlong), "package.module:function", or
-"path/to/file.py:function"; the function has TRL's signature
-f(completions, **columns) -> list[float | None] (None: the reward does not apply to that sample).
+"path/to/file.py:function"; the function is called as TRL calls it, by keyword:
+f(completions=..., prompts=..., completion_ids=..., answer=..., **other_columns) ->
+list[float | None] (None: the reward does not apply to that sample), so both
+f(completions, **columns) and TRL's f(prompts, completions, **kwargs) work.
 
 Safety: built-ins run inline (math-verify bounds each parse with its own SIGALRM timeout in the
 main thread). User functions run in a worker thread and the caller waits at most `timeout`
@@ -81,7 +83,7 @@ class RewardFunction:
 
     def _run(self, completions: list[str], columns: dict[str, list]) -> Any:
         if not self.threaded or self.timeout is None:
-            return self.fn(completions, **columns)
+            return self.fn(completions=completions, **columns)
         if self._late is not None and self._late.is_alive():
             raise RewardCallError(
                 f"an earlier call is still running past its timeout of {self.timeout:g} s; "
@@ -91,7 +93,7 @@ class RewardFunction:
 
         def target() -> None:
             try:
-                box["value"] = self.fn(completions, **columns)
+                box["value"] = self.fn(completions=completions, **columns)
             except BaseException as e:
                 box["error"] = e
 

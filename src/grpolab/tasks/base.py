@@ -30,7 +30,10 @@ class TaskConfig:
     seed: int = 0
     # File-based tasks: a local .jsonl / .json / .parquet file, or a Hugging Face dataset id.
     path: str | None = None
-    eval_path: str | None = None  # a separate eval file; else num_eval rows are held out
+    eval_path: str | None = None  # a separate eval file; else rows of task.path are held out
+    # File tasks without eval_path: hold out this fraction of the rows (chosen by seed) instead
+    # of num_eval. Either way the split is printed with its row counts at start.
+    eval_fraction: float | None = None
     subset: str | None = None  # dataset config name for hub ids (e.g. "main" for openai/gsm8k)
     split: str = "train"
     eval_split: str | None = None  # with a hub id: take eval from this split
@@ -69,6 +72,12 @@ class Task:
     # probes, the evaluation) reads a final answer. One of tasks.answers.ANSWER_KINDS.
     answer_kind: str = "number"
     answer_kind_reason: str = ""  # why: declared, or what the inference saw
+    split_reason: str = ""  # where the held-out rows come from (describe_split)
+
+    def describe_split(self) -> str:
+        """The line the commands print at start: how many rows train, how many are held out."""
+        why = f" ({self.split_reason})" if self.split_reason else ""
+        return f"task {self.name}: {len(self.train)} training rows, {len(self.eval)} held out{why}"
 
     def describe_answers(self) -> str:
         """The line the commands print at start: which judge and why."""

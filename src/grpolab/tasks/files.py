@@ -1,9 +1,10 @@
 """File-based tasks: GSM8K-style rows ("question", "answer" ending in "#### 42") and generic
-rows with configurable prompt / answer fields. Local .jsonl / .json read here; .parquet files
+rows with configurable prompt / answer fields. Local .jsonl / .json / .csv read here; .parquet files
 and Hugging Face dataset ids go through `datasets`."""
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 import re
@@ -29,28 +30,64 @@ def load_file_task(cfg: TaskConfig) -> Task:
             f"task.name={cfg.name!r} needs task.path (a .jsonl/.parquet file or a dataset id)"
         )
     rows = _read_rows(cfg.path, cfg.subset, cfg.split)
-    examples = [
-        _example(cfg, row, where, prompt_field, answer_field, template) for where, row in rows
-    ]
+    examples = _examples(cfg, rows, prompt_field, answer_field, template)
     if not examples:
         raise ValueError(f"task.path={cfg.path!r} holds no rows")
     if cfg.eval_path or cfg.eval_split:
         eval_rows = _read_rows(cfg.eval_path or cfg.path, cfg.subset, cfg.eval_split or cfg.split)
-        eval_examples = [
-            _example(cfg, row, where, prompt_field, answer_field, template)
-            for where, row in eval_rows
-        ][: cfg.num_eval or None]
+        eval_examples = _examples(cfg, eval_rows, prompt_field, answer_field, template)
+        eval_examples = eval_examples[: cfg.num_eval or None]
         train = examples
+        why = f"from {cfg.eval_path or cfg.path}" + (
+            f"[{cfg.eval_split}]" if cfg.eval_split else ""
+        )
     else:
-        # Hold out num_eval rows (at most half the file), chosen by task.seed.
+        # Hold out eval_fraction of the rows, or num_eval rows (at most half), by task.seed.
         order = list(range(len(examples)))
         random.Random(cfg.seed).shuffle(order)
-        n_eval = min(cfg.num_eval, len(examples) // 2)
+        if cfg.eval_fraction is not None:
+            if not 0 <= cfg.eval_fraction < 1:
+                raise ValueError(f"task.eval_fraction={cfg.eval_fraction!r}: expected [0, 1)")
+            n_eval = round(cfg.eval_fraction * len(examples))
+            why = f"task.eval_fraction={cfg.eval_fraction:g} of {cfg.path}"
+        else:
+            n_eval = min(cfg.num_eval, len(examples) // 2)
+            why = (
+                f"task.num_eval={cfg.num_eval} (at most half) of {cfg.path}; "
+                "task.eval_path or task.eval_fraction to choose"
+            )
         eval_examples = [examples[i] for i in sorted(order[:n_eval])]
         train = [examples[i] for i in sorted(order[n_eval:])]
+        why += f", chosen by task.seed={cfg.seed}"
     if cfg.num_train:
         train = train[: cfg.num_train]
-    return Task(name=cfg.name, train=train, eval=eval_examples, config=cfg)
+    task = Task(name=cfg.name, train=train, eval=eval_examples, config=cfg)
+    task.split_reason = why
+    return task
+
+
+BAD_ROWS_SHOWN = 10  # a file with many bad rows: this many are named, then a count
+
+
+def _examples(cfg, rows, prompt_field: str, answer_field: str, template: str) -> list[Example]:
+    """Every row's Example; the bad rows are all reported together (the first BAD_ROWS_SHOWN
+    named), so a file is fixed in one pass, not one error per run."""
+    examples, bad = [], []
+    for where, row in rows:
+        try:
+            examples.append(_example(cfg, row, where, prompt_field, answer_field, template))
+        except ValueError as e:
+            bad.append(str(e))
+    if len(bad) == 1:
+        raise ValueError(bad[0])
+    if bad:
+        more = len(bad) - BAD_ROWS_SHOWN
+        raise ValueError(
+            f"{len(bad)} of {len(rows)} rows are bad:\n  "
+            + "\n  ".join(bad[:BAD_ROWS_SHOWN])
+            + (f"\n  ... and {more} more" if more > 0 else "")
+        )
+    return examples
 
 
 def _fields(cfg: TaskConfig) -> tuple[str, str, str]:
@@ -100,7 +137,7 @@ def _read_rows(path: str, subset: str | None, split: str) -> list[tuple[str, dic
     """[(where, row)]: where names the file and line (or row) for error messages."""
     file = Path(path).expanduser()
     suffix = file.suffix.lower()
-    if suffix in (".jsonl", ".json", ".parquet") or file.exists():
+    if suffix in (".jsonl", ".json", ".parquet", ".csv") or file.exists():
         if not file.is_file():
             raise ValueError(f"task file {path!r} does not exist")
         if suffix == ".jsonl" or (suffix == ".json" and _is_json_lines(file)):
@@ -113,10 +150,14 @@ def _read_rows(path: str, subset: str | None, split: str) -> list[tuple[str, dic
                 (f"{path} row {i + 1}", _as_row(r, f"{path} row {i + 1}"))
                 for i, r in enumerate(data)
             ]
+        if suffix == ".csv":
+            with file.open(encoding="utf-8", newline="") as f:
+                # row 1 is the header: data row i is the file's line i + 1
+                return [(f"{path} line {i + 2}", dict(r)) for i, r in enumerate(csv.DictReader(f))]
         if suffix == ".parquet":
             dataset = _datasets().load_dataset("parquet", data_files=str(file), split="train")
             return [(f"{path} row {i + 1}", dict(r)) for i, r in enumerate(dataset)]
-        raise ValueError(f"task file {path!r}: use .jsonl, .json or .parquet")
+        raise ValueError(f"task file {path!r}: use .jsonl, .json, .csv or .parquet")
     dataset = _datasets().load_dataset(path, subset, split=split)
     return [(f"{path}[{split}] row {i + 1}", dict(r)) for i, r in enumerate(dataset)]
 
