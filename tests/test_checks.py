@@ -60,6 +60,7 @@ MENU_CAUGHT_BY = {
     "kl_without_ratio": ("kl.convention", PROFILE_TRL),
     "kl_unclamped": ("kl.convention", PROFILE_VERL),
     "population_std": ("advantages.sample_std", PROFILE_TRL),
+    "excluded_rows_vote": ("advantages.excluded_rows", {}),
 }
 # Every profile, every option of the menu: grpolab's own functions pass every check.
 DECLARED = {

@@ -132,6 +132,10 @@ HINTS = {
     "advantages.zero_std_groups": "with the zero-std guard (the seed's), set the advantage to "
     "exactly 0 where the group's std <= eps: torch.where(std > eps, adv, 0); without it (TRL, "
     "verl, OpenRLHF) every group is (r - mean) / (std + eps)",
+    "advantages.excluded_rows": "a row no reward function could score (every one returned "
+    "None) or one out of the loss must not vote: compute each group's mean and std over its "
+    "valid rows only (valid [B] bool) and give the others advantage exactly 0, not reward 0 "
+    "in the baseline (TRL PR #5902, NeMo-RL PR #4160)",
     "advantages.contiguous": "the G samples of a prompt are contiguous: rewards.view(-1, G), "
     "not view(G, -1) or a transpose",
     "ratio.initial": "logp_old must come from the same model, same inputs and same mode "
@@ -582,6 +586,38 @@ def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSet
             "<= 1e-6",
             gap <= 1e-6,
         )
+
+
+# Rows out of the vote (no function could score them, or out of the loss) with rewards that
+# would move their group's mean and std if they voted; 3 valid rows in every group, so the
+# reference is the declared convention on the valid rows with G = 3 (NeMo-RL PR #4160's
+# [1, 0, 0] + a masked row: [0.667, -0.333, -0.333] mean-centred).
+EXCLUDED_REWARDS = (1.0, 0.0, 0.0, 5.0, -3.0, 0.5, 1.0, 0.0, 0.2, 0.2, 0.2, 1.0)
+EXCLUDED_VALID = (1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0)
+
+
+def check_excluded_rows(impl: CoreFunctions, s: PreflightSettings):
+    """advantages.excluded_rows: rows given valid=False do not vote in their group's
+    statistics and get advantage exactly 0 (TRL PR #5902; NeMo-RL PR #4160)."""
+    o = s.objective
+    rewards = torch.tensor(EXCLUDED_REWARDS, dtype=torch.float64)
+    valid = torch.tensor(EXCLUDED_VALID, dtype=torch.bool)
+    lengths = torch.tensor(DESIGNED_LENGTHS[:12], dtype=torch.float64)
+    kwargs = core.accepted_kwargs(impl.group_advantages, _advantage_kwargs(o, lengths))
+    adv = impl.group_advantages(rewards, 4, valid=valid, **kwargs).double()
+    ref = torch.zeros_like(rewards)
+    ref[valid] = _reference_advantages(rewards[valid], 3, o, lengths[valid])
+    gap = _max_abs(adv - ref)
+    leaked = _max_abs(adv[~valid])
+    yield _result(
+        "advantages.excluded_rows",
+        2,
+        "max |adv - the reference over the valid rows only| (G = 4, 3 valid per group); "
+        f"excluded rows' max |adv| {leaked:.3g}",
+        gap,
+        "<= 1e-6, excluded rows exactly 0",
+        gap <= 1e-6 and leaked == 0.0,
+    )
 
 
 def check_ratio(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
@@ -1355,6 +1391,7 @@ DECLARED_ONLY = frozenset(
     {
         "advantages.sample_std",
         "advantages.estimator",
+        "advantages.excluded_rows",
         "gspo.ratio",
         "gspo.length_weighting",
         "cispo.gradient",
@@ -1394,6 +1431,9 @@ def run_checks(
         results = []
         results += guarded(impl, fams[1], 1, check_logprobs, impl, model, batch, s)
         results += guarded(impl, fams[2], 2, check_advantages, impl, batch, s)
+        if _takes(impl.group_advantages, "valid"):  # a function without it cannot exclude
+            ids = ("advantages.excluded_rows",)
+            results += guarded(impl, ids, 2, check_excluded_rows, impl, s)
         results += guarded(impl, fams[3], 3, check_ratio, impl, model, batch, s)
         results += guarded(impl, fams[4], 4, check_clip, impl, s)
         results += guarded(impl, fams[5], 5, check_kl, impl, model, batch, s)
