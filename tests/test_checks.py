@@ -61,6 +61,7 @@ MENU_CAUGHT_BY = {
     "kl_unclamped": ("kl.convention", PROFILE_VERL),
     "population_std": ("advantages.sample_std", PROFILE_TRL),
     "excluded_rows_vote": ("advantages.excluded_rows", {}),
+    "nan_times_mask": ("loss.masked_nan", {}),
 }
 # Every profile, every option of the menu: grpolab's own functions pass every check.
 DECLARED = {

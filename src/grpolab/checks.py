@@ -64,6 +64,10 @@ class PreflightSettings:
     # Rows that a check runs through the model with gradients (the first ones of the batch):
     # the trainer's micro-batch, so that the checks fit where training fits. None: all.
     grad_rows: int | None = None
+    # loss.masked_nan: the loss survives NaN in masked slots. Off for a user's loss (the
+    # drill teaches masking by multiplication, which grpolab's inputs, finite under the
+    # mask, allow).
+    masked_nan: bool = True
 
 
 def grad_rows(batch: PreflightBatch, s: PreflightSettings) -> PreflightBatch:
@@ -136,6 +140,9 @@ HINTS = {
     "None) or one out of the loss must not vote: compute each group's mean and std over its "
     "valid rows only (valid [B] bool) and give the others advantage exactly 0, not reward 0 "
     "in the baseline (TRL PR #5902, NeMo-RL PR #4160)",
+    "loss.masked_nan": "a NaN in a masked slot (padding of logp_old, logp_ref or logp_new) "
+    "reaches the loss or its gradient: NaN * 0 is NaN, so select with torch.where(mask, x, 0) "
+    "before any arithmetic instead of multiplying by the mask (OpenRLHF PR #1240)",
     "advantages.contiguous": "the G samples of a prompt are contiguous: rewards.view(-1, G), "
     "not view(G, -1) or a transpose",
     "ratio.initial": "logp_old must come from the same model, same inputs and same mode "
@@ -996,6 +1003,43 @@ def check_normalisation(impl: CoreFunctions, model, batch: PreflightBatch, s: Pr
     )
 
 
+def _loss_and_grad(impl, logp_new, logp_old, logp_ref, adv, mask, s):
+    """(loss, d loss / d logp_new) of the implementation with KL on, float64 inputs."""
+    new = logp_new.detach().clone().requires_grad_(True)
+    loss, _ = _loss(impl, new, logp_old, logp_ref, adv, mask, s, beta=0.04, L=8)
+    loss = torch.as_tensor(loss)
+    (grad,) = torch.autograd.grad(loss, new, allow_unused=True)
+    return loss.detach().double(), torch.zeros_like(new) if grad is None else grad.double()
+
+
+def check_masked_nan(impl: CoreFunctions, s: PreflightSettings):
+    """loss.masked_nan: NaN planted in the masked slots of logp_old, logp_ref and logp_new
+    (padding a gather or an engine can fill with anything) leaves the loss and its gradient
+    what they are without it (OpenRLHF PR #1240: NaN * 0 = NaN)."""
+    logp_new, logp_old, adv, mask = _clip_case(s)
+    mask = mask.clone()
+    mask[0, 5:], mask[3, 2:4] = 0, 0  # padding at the end, and a hole (a tool's tokens)
+    g = torch.Generator().manual_seed(s.seed + 2)
+    logp_ref = logp_old + 0.3 * torch.randn(logp_old.shape, generator=g, dtype=torch.float64)
+    clean = _loss_and_grad(impl, logp_new, logp_old, logp_ref, adv, mask, s)
+    hole = ~mask.bool()
+    poisoned = [torch.where(hole, torch.nan, t) for t in (logp_new, logp_old, logp_ref)]
+    loss, grad = _loss_and_grad(impl, *poisoned, adv, mask, s)
+    gap = max(_max_abs(loss - clean[0]), _max_abs(grad - clean[1]))
+    if not (torch.isfinite(loss).all() and torch.isfinite(grad).all()):
+        gap = math.inf
+    # Both sides compute the same float64 values; only the order of masked zeros may differ.
+    tol = 1e-12 * (1 + _max_abs(clean[0]) + _max_abs(clean[1]))
+    yield _result(
+        "loss.masked_nan",
+        0,
+        f"max |loss, grad with NaN in {int(hole.sum())} masked slots - without| (KL on)",
+        gap,
+        f"<= {tol:.1e}",
+        gap <= tol,
+    )
+
+
 def check_loss(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
     g = torch.Generator().manual_seed(s.seed + 1)
     # Metrics on a perturbed policy with a reference, against a direct computation.
@@ -1392,6 +1436,7 @@ DECLARED_ONLY = frozenset(
         "advantages.sample_std",
         "advantages.estimator",
         "advantages.excluded_rows",
+        "loss.masked_nan",
         "gspo.ratio",
         "gspo.length_weighting",
         "cispo.gradient",
@@ -1441,6 +1486,8 @@ def run_checks(
             results += guarded(impl, ("kl.convention",), 5, check_kl_convention, impl, s)
         results += guarded(impl, fams[6], 6, check_normalisation, impl, model, batch, s)
         results += guarded(impl, fams[7], 7, check_loss, impl, model, batch, s)
+        if s.masked_nan:
+            results += guarded(impl, ("loss.masked_nan",), 0, check_masked_nan, impl, s)
         menu = menu_ids(s.objective)
         if menu:
             results += guarded(impl, menu, 0, check_menu, impl, model, batch, s)
