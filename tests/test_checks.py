@@ -62,6 +62,7 @@ MENU_CAUGHT_BY = {
     "population_std": ("advantages.sample_std", PROFILE_TRL),
     "excluded_rows_vote": ("advantages.excluded_rows", {}),
     "nan_times_mask": ("loss.masked_nan", {}),
+    "kl_sequence_ratio": ("kl.bias_correction_gradient", PROFILE_TRL),
 }
 # Every profile, every option of the menu: grpolab's own functions pass every check.
 DECLARED = {

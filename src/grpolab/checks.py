@@ -143,6 +143,10 @@ HINTS = {
     "loss.masked_nan": "a NaN in a masked slot (padding of logp_old, logp_ref or logp_new) "
     "reaches the loss or its gradient: NaN * 0 is NaN, so select with torch.where(mask, x, 0) "
     "before any arithmetic instead of multiplying by the mask (OpenRLHF PR #1240)",
+    "kl.bias_correction_gradient": "KL bias correction multiplies each token's KL by that "
+    "token's own ratio exp(logp_new - logp_old), even under GSPO: the sequence ratio [B, 1] "
+    "adds every token's KL to every other token's gradient while the loss looks normal "
+    "(TRL #6586)",
     "advantages.contiguous": "the G samples of a prompt are contiguous: rewards.view(-1, G), "
     "not view(G, -1) or a transpose",
     "ratio.initial": "logp_old must come from the same model, same inputs and same mode "
@@ -1124,7 +1128,7 @@ def check_kl_convention(impl: CoreFunctions, s: PreflightSettings):
     ref_new = logp_new.double().clone().requires_grad_(True)
     per_token = beta * _reference_kl(ref_new, logp_ref, o)
     if o.use_bias_correction_kl:
-        per_token = per_token * _reference_ratio(ref_new, logp_old, mask, o)
+        per_token = per_token * _reference_ratio(ref_new, logp_old, mask, o, "token")
     expected = core.aggregate(per_token, mask.double(), o.aggregation, 8)
     expected.backward()
     # float32 against float64: relative to the size of the values
@@ -1144,14 +1148,64 @@ def check_kl_convention(impl: CoreFunctions, s: PreflightSettings):
     )
 
 
-def _reference_ratio(logp_new, logp_old, mask, o: Objective) -> torch.Tensor:
+def _reference_ratio(logp_new, logp_old, mask, o: Objective, level=None) -> torch.Tensor:
+    """float64 importance ratio at `level` (None: the declared one)."""
     new, old = logp_new.double(), logp_old.double()
     log_ratio = torch.where(mask.bool(), new - old, torch.zeros_like(new))
     if o.log_ratio_clamp is not None:
         log_ratio = log_ratio.clamp(-o.log_ratio_clamp, o.log_ratio_clamp)
-    if o.importance_sampling_level == "sequence":
+    if (level or o.importance_sampling_level) == "sequence":
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     return torch.exp(log_ratio)
+
+
+def bias_correction_declared(impl: CoreFunctions, o: Objective) -> bool:
+    """kl.bias_correction_gradient runs where the KL is bias-corrected with the clipped
+    surrogate and the loss takes a sequence-level ratio (GSPO)."""
+    return (
+        o.use_bias_correction_kl
+        and o.surrogate == "clip"
+        and _takes(impl.grpo_loss, "importance_sampling_level")
+    )
+
+
+def check_bias_correction_gradient(impl: CoreFunctions, s: PreflightSettings):
+    """kl.bias_correction_gradient: under GSPO (sequence-level ratio) with KL bias
+    correction, d loss / d logp_new of the KL term equals a float64 reference whose KL is
+    multiplied by the per-token ratio. A [B, 1] sequence ratio gives nearly the same loss
+    and another gradient (TRL #6586): measured with the policy term's share removed."""
+    o = dataclasses.replace(s.objective, importance_sampling_level="sequence")
+    gspo = dataclasses.replace(s, objective=o)
+    g = torch.Generator().manual_seed(s.seed + 3)
+    logp_new, logp_old, adv, mask = (t.double() for t in _clip_case(gspo))
+    logp_ref = logp_new + 0.5 * torch.randn(logp_new.shape, generator=g, dtype=torch.float64)
+    beta = o.beta if o.beta > 0 else 0.04
+
+    def grad_of(b: float) -> torch.Tensor:
+        new = logp_new.clone().requires_grad_(True)
+        loss, _ = _loss(impl, new, logp_old, logp_ref, adv, mask, gspo, beta=b, L=8)
+        (grad,) = torch.autograd.grad(torch.as_tensor(loss), new)
+        return grad.double()
+
+    kl_grad = grad_of(beta) - grad_of(0.0)  # the KL term's share of the gradient [4, 8]
+    ref_new = logp_new.double().clone().requires_grad_(True)
+    ratio = _reference_ratio(ref_new, logp_old, mask, o, "token")
+    per_token = beta * _reference_kl(ref_new, logp_ref, o) * ratio
+    (expected,) = torch.autograd.grad(
+        core.aggregate(per_token, mask.double(), o.aggregation, 8), ref_new
+    )
+    gap = _max_abs(kl_grad - expected) / max(_max_abs(expected), 1e-12)
+    # float64 inputs: grpolab's is ~1e-13 off; a loss computed in float32 inside ~1e-6 (the
+    # policy term's gradient cancels in the difference); a sequence ratio is ~0.5 off.
+    yield _result(
+        "kl.bias_correction_gradient",
+        5,
+        "max |grad of the KL term - float64 reference (KL x per-token ratio)| / max |grad| "
+        "(GSPO, bias correction)",
+        gap,
+        "<= 1e-4",
+        gap <= 1e-4,
+    )
 
 
 def _sgd_direction(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
@@ -1437,6 +1491,7 @@ DECLARED_ONLY = frozenset(
         "advantages.estimator",
         "advantages.excluded_rows",
         "loss.masked_nan",
+        "kl.bias_correction_gradient",
         "gspo.ratio",
         "gspo.length_weighting",
         "cispo.gradient",
@@ -1484,6 +1539,9 @@ def run_checks(
         results += guarded(impl, fams[5], 5, check_kl, impl, model, batch, s)
         if kl_convention_declared(s.objective):
             results += guarded(impl, ("kl.convention",), 5, check_kl_convention, impl, s)
+        if bias_correction_declared(impl, s.objective):
+            ids = ("kl.bias_correction_gradient",)
+            results += guarded(impl, ids, 5, check_bias_correction_gradient, impl, s)
         results += guarded(impl, fams[6], 6, check_normalisation, impl, model, batch, s)
         results += guarded(impl, fams[7], 7, check_loss, impl, model, batch, s)
         if s.masked_nan:

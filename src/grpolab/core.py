@@ -475,8 +475,10 @@ def grpo_loss(
         if beta > 0:
             scaled = kl
             if use_bias_correction_kl:
-                level, clamp = importance_sampling_level, log_ratio_clamp
-                scaled = kl * importance_ratio(logp_new, logp_old, mask, level, clamp)
+                # The per-token ratio whatever the policy term's level: the KL is per token,
+                # and a GSPO sequence ratio [B, 1] would add a gradient term of every token's
+                # KL to every other token of the sequence (TRL #6586).
+                scaled = kl * importance_ratio(logp_new, logp_old, mask, "token", log_ratio_clamp)
             per_token = per_token + beta * scaled
     if entropy is not None and entropy_coef:
         per_token = per_token - entropy_coef * entropy
