@@ -355,13 +355,18 @@ CASES: list[tuple[str, str, list[str], Callable, str]] = [
     (
         "trl",
         "TRL 1.16 GRPOTrainer",
+        # Without the KL bias correction: under GSPO TRL 1.16 multiplies each token's KL by
+        # the sequence ratio (TRL #6586, its fix PR #7188 unmerged), grpolab by the token's.
         [
             "trainer.profile=trl",
             "trainer.importance_sampling_level=sequence",
             "trainer.loss_type=grpo",
+            "trainer.use_bias_correction_kl=false",
         ],
-        lambda b: trl_side(b, importance_sampling_level="sequence", loss_type="grpo"),
-        "GSPO",
+        lambda b: trl_side(
+            b, importance_sampling_level="sequence", loss_type="grpo", use_bias_correction_kl=False
+        ),
+        "GSPO (KL without bias correction: TRL #6586)",
     ),
     (
         "trl",

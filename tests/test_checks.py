@@ -60,6 +60,9 @@ MENU_CAUGHT_BY = {
     "kl_without_ratio": ("kl.convention", PROFILE_TRL),
     "kl_unclamped": ("kl.convention", PROFILE_VERL),
     "population_std": ("advantages.sample_std", PROFILE_TRL),
+    "excluded_rows_vote": ("advantages.excluded_rows", {}),
+    "nan_times_mask": ("loss.masked_nan", {}),
+    "kl_sequence_ratio": ("kl.bias_correction_gradient", PROFILE_TRL),
 }
 # Every profile, every option of the menu: grpolab's own functions pass every check.
 DECLARED = {

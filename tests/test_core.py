@@ -432,3 +432,27 @@ def test_grpo_loss_token_weights_scale_the_policy_term_only():
     assert same.item() == plain.item()  # x * 1.0 is exact: the same value, bit for bit
     with pytest.raises(ValueError, match=r"token_weights \(1, 3\)"):
         core.grpo_loss(logp, logp, ref, adv, mask, beta=0.1, token_weights=torch.ones(1, 3))
+
+
+def test_excluded_rows_do_not_vote():
+    # NeMo-RL PR #4160's case: [1, 0, 0] and a masked row that must not move the statistics.
+    valid = torch.tensor([True, True, True, False])
+    centred = core.group_advantages(torch.tensor([1.0, 0, 0, 9]), 4, scale="none", valid=valid)
+    assert torch.allclose(centred, torch.tensor([2 / 3, -1 / 3, -1 / 3, 0]), atol=1e-7)
+    assert centred[3] == 0.0
+    # The valid rows get what a group of only them gets, under every estimator; the
+    # excluded rows exactly 0, whatever their reward.
+    rewards = torch.tensor([1.0, 0, 0, 5, -3, 0.5, 1, 0], dtype=torch.float64)
+    valid = torch.tensor([1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+    for kwargs in ({}, {"std": "sample", "zero_std_guard": False}, {"estimator": "rloo"}):
+        adv = core.group_advantages(rewards, 4, valid=valid, **kwargs)
+        alone = core.group_advantages(rewards[valid], 3, **kwargs)
+        assert torch.allclose(adv[valid], alone, atol=1e-12, rtol=0)
+        assert (adv[~valid] == 0).all()
+    # A group with one valid row has no spread to learn from; all valid = the plain call.
+    one = core.group_advantages(rewards, 4, valid=torch.tensor([1, 0, 0, 0] * 2).bool())
+    assert (one == 0).all()
+    assert torch.equal(
+        core.group_advantages(rewards, 4, valid=torch.ones(8, dtype=torch.bool)),
+        core.group_advantages(rewards, 4),
+    )

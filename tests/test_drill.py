@@ -88,6 +88,7 @@ OPTIONAL_EXTRAS = {
     "return_entropy",
     "entropy",
     "lengths",
+    "valid",
     "loss",
     "std",
     "zero_std_guard",

@@ -104,6 +104,14 @@ def test_truncated_completions_leave_the_loss(tmp_path):
     _, batch = grpo_step(run, 1)
     assert batch.rollout.truncated.any()
     assert batch.loss_rows.tolist() == (~batch.rollout.truncated).float().tolist()
+    # Out of the loss, out of the vote: advantage exactly 0, and the rest centred without them.
+    truncated = batch.rollout.truncated
+    assert (batch.advantages[truncated] == 0).all()
+    for g in range(4):
+        rows = torch.arange(g * 4, g * 4 + 4)
+        live = rows[~truncated[rows]]
+        if len(live) >= 2:
+            assert abs(float(batch.advantages[live].sum())) < 1e-5
 
 
 def test_a_seed_signature_impl_runs_under_any_profile_but_not_a_menu_option(tmp_path):

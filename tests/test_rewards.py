@@ -379,3 +379,16 @@ def test_rewards_config_through_the_config_loader(tmp_path):
     rewards = load_rewards(cfg.rewards, task=cfg.task)
     assert [r.weight for r in rewards] == [1.0, 0.1]
     assert score(["85"], [ex("85")], rewards).per_function["accuracy"].item() == 1.0
+
+
+def test_a_sample_every_function_scores_none_is_unscorable():
+    def sometimes(completions, **_):
+        return [None if c == "?" else 1.0 for c in completions]
+
+    def never(completions, **_):
+        return [None] * len(completions)
+
+    result = score(["1", "?", "2", "?"], [ex("2")] * 4, [sometimes, never], num_generations=2)
+    assert result.scorable.tolist() == [True, False, True, False]
+    assert result.metrics["reward/unscorable"] == 0.5
+    assert result.total.tolist() == [1.0, 0.0, 1.0, 0.0]  # None counts 0 in the total

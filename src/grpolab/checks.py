@@ -64,6 +64,10 @@ class PreflightSettings:
     # Rows that a check runs through the model with gradients (the first ones of the batch):
     # the trainer's micro-batch, so that the checks fit where training fits. None: all.
     grad_rows: int | None = None
+    # loss.masked_nan: the loss survives NaN in masked slots. Off for a user's loss (the
+    # drill teaches masking by multiplication, which grpolab's inputs, finite under the
+    # mask, allow).
+    masked_nan: bool = True
 
 
 def grad_rows(batch: PreflightBatch, s: PreflightSettings) -> PreflightBatch:
@@ -132,6 +136,17 @@ HINTS = {
     "advantages.zero_std_groups": "with the zero-std guard (the seed's), set the advantage to "
     "exactly 0 where the group's std <= eps: torch.where(std > eps, adv, 0); without it (TRL, "
     "verl, OpenRLHF) every group is (r - mean) / (std + eps)",
+    "advantages.excluded_rows": "a row no reward function could score (every one returned "
+    "None) or one out of the loss must not vote: compute each group's mean and std over its "
+    "valid rows only (valid [B] bool) and give the others advantage exactly 0, not reward 0 "
+    "in the baseline (TRL PR #5902, NeMo-RL PR #4160)",
+    "loss.masked_nan": "a NaN in a masked slot (padding of logp_old, logp_ref or logp_new) "
+    "reaches the loss or its gradient: NaN * 0 is NaN, so select with torch.where(mask, x, 0) "
+    "before any arithmetic instead of multiplying by the mask (OpenRLHF PR #1240)",
+    "kl.bias_correction_gradient": "KL bias correction multiplies each token's KL by that "
+    "token's own ratio exp(logp_new - logp_old), even under GSPO: the sequence ratio [B, 1] "
+    "adds every token's KL to every other token's gradient while the loss looks normal "
+    "(TRL #6586)",
     "advantages.contiguous": "the G samples of a prompt are contiguous: rewards.view(-1, G), "
     "not view(G, -1) or a transpose",
     "ratio.initial": "logp_old must come from the same model, same inputs and same mode "
@@ -596,6 +611,38 @@ def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSet
         )
 
 
+# Rows out of the vote (no function could score them, or out of the loss) with rewards that
+# would move their group's mean and std if they voted; 3 valid rows in every group, so the
+# reference is the declared convention on the valid rows with G = 3 (NeMo-RL PR #4160's
+# [1, 0, 0] + a masked row: [0.667, -0.333, -0.333] mean-centred).
+EXCLUDED_REWARDS = (1.0, 0.0, 0.0, 5.0, -3.0, 0.5, 1.0, 0.0, 0.2, 0.2, 0.2, 1.0)
+EXCLUDED_VALID = (1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0)
+
+
+def check_excluded_rows(impl: CoreFunctions, s: PreflightSettings):
+    """advantages.excluded_rows: rows given valid=False do not vote in their group's
+    statistics and get advantage exactly 0 (TRL PR #5902; NeMo-RL PR #4160)."""
+    o = s.objective
+    rewards = torch.tensor(EXCLUDED_REWARDS, dtype=torch.float64)
+    valid = torch.tensor(EXCLUDED_VALID, dtype=torch.bool)
+    lengths = torch.tensor(DESIGNED_LENGTHS[:12], dtype=torch.float64)
+    kwargs = core.accepted_kwargs(impl.group_advantages, _advantage_kwargs(o, lengths))
+    adv = impl.group_advantages(rewards, 4, valid=valid, **kwargs).double()
+    ref = torch.zeros_like(rewards)
+    ref[valid] = _reference_advantages(rewards[valid], 3, o, lengths[valid])
+    gap = _max_abs(adv - ref)
+    leaked = _max_abs(adv[~valid])
+    yield _result(
+        "advantages.excluded_rows",
+        2,
+        "max |adv - the reference over the valid rows only| (G = 4, 3 valid per group); "
+        f"excluded rows' max |adv| {leaked:.3g}",
+        gap,
+        "<= 1e-6, excluded rows exactly 0",
+        gap <= 1e-6 and leaked == 0.0,
+    )
+
+
 def check_ratio(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
     batch = grad_rows(batch, s)
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature)
@@ -1020,6 +1067,43 @@ def check_normalisation(impl: CoreFunctions, model, batch: PreflightBatch, s: Pr
     )
 
 
+def _loss_and_grad(impl, logp_new, logp_old, logp_ref, adv, mask, s):
+    """(loss, d loss / d logp_new) of the implementation with KL on, float64 inputs."""
+    new = logp_new.detach().clone().requires_grad_(True)
+    loss, _ = _loss(impl, new, logp_old, logp_ref, adv, mask, s, beta=0.04, L=8)
+    loss = torch.as_tensor(loss)
+    (grad,) = torch.autograd.grad(loss, new, allow_unused=True)
+    return loss.detach().double(), torch.zeros_like(new) if grad is None else grad.double()
+
+
+def check_masked_nan(impl: CoreFunctions, s: PreflightSettings):
+    """loss.masked_nan: NaN planted in the masked slots of logp_old, logp_ref and logp_new
+    (padding a gather or an engine can fill with anything) leaves the loss and its gradient
+    what they are without it (OpenRLHF PR #1240: NaN * 0 = NaN)."""
+    logp_new, logp_old, adv, mask = _clip_case(s)
+    mask = mask.clone()
+    mask[0, 5:], mask[3, 2:4] = 0, 0  # padding at the end, and a hole (a tool's tokens)
+    g = torch.Generator().manual_seed(s.seed + 2)
+    logp_ref = logp_old + 0.3 * torch.randn(logp_old.shape, generator=g, dtype=torch.float64)
+    clean = _loss_and_grad(impl, logp_new, logp_old, logp_ref, adv, mask, s)
+    hole = ~mask.bool()
+    poisoned = [torch.where(hole, torch.nan, t) for t in (logp_new, logp_old, logp_ref)]
+    loss, grad = _loss_and_grad(impl, *poisoned, adv, mask, s)
+    gap = max(_max_abs(loss - clean[0]), _max_abs(grad - clean[1]))
+    if not (torch.isfinite(loss).all() and torch.isfinite(grad).all()):
+        gap = math.inf
+    # Both sides compute the same float64 values; only the order of masked zeros may differ.
+    tol = 1e-12 * (1 + _max_abs(clean[0]) + _max_abs(clean[1]))
+    yield _result(
+        "loss.masked_nan",
+        0,
+        f"max |loss, grad with NaN in {int(hole.sum())} masked slots - without| (KL on)",
+        gap,
+        f"<= {tol:.1e}",
+        gap <= tol,
+    )
+
+
 def check_loss(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
     g = torch.Generator().manual_seed(s.seed + 1)
     # Metrics on a perturbed policy with a reference, against a direct computation.
@@ -1104,7 +1188,7 @@ def check_kl_convention(impl: CoreFunctions, s: PreflightSettings):
     ref_new = logp_new.double().clone().requires_grad_(True)
     per_token = beta * _reference_kl(ref_new, logp_ref, o)
     if o.use_bias_correction_kl:
-        per_token = per_token * _reference_ratio(ref_new, logp_old, mask, o)
+        per_token = per_token * _reference_ratio(ref_new, logp_old, mask, o, "token")
     expected = core.aggregate(per_token, mask.double(), o.aggregation, 8)
     expected.backward()
     # float32 against float64: relative to the size of the values
@@ -1124,14 +1208,64 @@ def check_kl_convention(impl: CoreFunctions, s: PreflightSettings):
     )
 
 
-def _reference_ratio(logp_new, logp_old, mask, o: Objective) -> torch.Tensor:
+def _reference_ratio(logp_new, logp_old, mask, o: Objective, level=None) -> torch.Tensor:
+    """float64 importance ratio at `level` (None: the declared one)."""
     new, old = logp_new.double(), logp_old.double()
     log_ratio = torch.where(mask.bool(), new - old, torch.zeros_like(new))
     if o.log_ratio_clamp is not None:
         log_ratio = log_ratio.clamp(-o.log_ratio_clamp, o.log_ratio_clamp)
-    if o.importance_sampling_level == "sequence":
+    if (level or o.importance_sampling_level) == "sequence":
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     return torch.exp(log_ratio)
+
+
+def bias_correction_declared(impl: CoreFunctions, o: Objective) -> bool:
+    """kl.bias_correction_gradient runs where the KL is bias-corrected with the clipped
+    surrogate and the loss takes a sequence-level ratio (GSPO)."""
+    return (
+        o.use_bias_correction_kl
+        and o.surrogate == "clip"
+        and _takes(impl.grpo_loss, "importance_sampling_level")
+    )
+
+
+def check_bias_correction_gradient(impl: CoreFunctions, s: PreflightSettings):
+    """kl.bias_correction_gradient: under GSPO (sequence-level ratio) with KL bias
+    correction, d loss / d logp_new of the KL term equals a float64 reference whose KL is
+    multiplied by the per-token ratio. A [B, 1] sequence ratio gives nearly the same loss
+    and another gradient (TRL #6586): measured with the policy term's share removed."""
+    o = dataclasses.replace(s.objective, importance_sampling_level="sequence")
+    gspo = dataclasses.replace(s, objective=o)
+    g = torch.Generator().manual_seed(s.seed + 3)
+    logp_new, logp_old, adv, mask = (t.double() for t in _clip_case(gspo))
+    logp_ref = logp_new + 0.5 * torch.randn(logp_new.shape, generator=g, dtype=torch.float64)
+    beta = o.beta if o.beta > 0 else 0.04
+
+    def grad_of(b: float) -> torch.Tensor:
+        new = logp_new.clone().requires_grad_(True)
+        loss, _ = _loss(impl, new, logp_old, logp_ref, adv, mask, gspo, beta=b, L=8)
+        (grad,) = torch.autograd.grad(torch.as_tensor(loss), new)
+        return grad.double()
+
+    kl_grad = grad_of(beta) - grad_of(0.0)  # the KL term's share of the gradient [4, 8]
+    ref_new = logp_new.double().clone().requires_grad_(True)
+    ratio = _reference_ratio(ref_new, logp_old, mask, o, "token")
+    per_token = beta * _reference_kl(ref_new, logp_ref, o) * ratio
+    (expected,) = torch.autograd.grad(
+        core.aggregate(per_token, mask.double(), o.aggregation, 8), ref_new
+    )
+    gap = _max_abs(kl_grad - expected) / max(_max_abs(expected), 1e-12)
+    # float64 inputs: grpolab's is ~1e-13 off; a loss computed in float32 inside ~1e-6 (the
+    # policy term's gradient cancels in the difference); a sequence ratio is ~0.5 off.
+    yield _result(
+        "kl.bias_correction_gradient",
+        5,
+        "max |grad of the KL term - float64 reference (KL x per-token ratio)| / max |grad| "
+        "(GSPO, bias correction)",
+        gap,
+        "<= 1e-4",
+        gap <= 1e-4,
+    )
 
 
 def _sgd_direction(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
@@ -1419,6 +1553,9 @@ DECLARED_ONLY = frozenset(
     {
         "advantages.sample_std",
         "advantages.estimator",
+        "advantages.excluded_rows",
+        "loss.masked_nan",
+        "kl.bias_correction_gradient",
         "gspo.ratio",
         "gspo.length_weighting",
         "cispo.gradient",
@@ -1458,13 +1595,21 @@ def run_checks(
         results = []
         results += guarded(impl, fams[1], 1, check_logprobs, impl, model, batch, s)
         results += guarded(impl, fams[2], 2, check_advantages, impl, batch, s)
+        if _takes(impl.group_advantages, "valid"):  # a function without it cannot exclude
+            ids = ("advantages.excluded_rows",)
+            results += guarded(impl, ids, 2, check_excluded_rows, impl, s)
         results += guarded(impl, fams[3], 3, check_ratio, impl, model, batch, s)
         results += guarded(impl, fams[4], 4, check_clip, impl, s)
         results += guarded(impl, fams[5], 5, check_kl, impl, model, batch, s)
         if kl_convention_declared(s.objective):
             results += guarded(impl, ("kl.convention",), 5, check_kl_convention, impl, s)
+        if bias_correction_declared(impl, s.objective):
+            ids = ("kl.bias_correction_gradient",)
+            results += guarded(impl, ids, 5, check_bias_correction_gradient, impl, s)
         results += guarded(impl, fams[6], 6, check_normalisation, impl, model, batch, s)
         results += guarded(impl, fams[7], 7, check_loss, impl, model, batch, s)
+        if s.masked_nan:
+            results += guarded(impl, ("loss.masked_nan",), 0, check_masked_nan, impl, s)
         menu = menu_ids(s.objective)
         if menu:
             results += guarded(impl, menu, 0, check_menu, impl, model, batch, s)

@@ -106,6 +106,7 @@ def group_advantages(
     zero_std_guard: bool = True,
     estimator: str = "grpo",
     lengths: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reward minus its group's mean, divided by a std; exactly 0 where a group's std <= eps.
 
@@ -117,7 +118,10 @@ def group_advantages(
     peers' convention). estimator: "grpo" (the above), "rloo" (reward minus the mean of the
     group's other G - 1 rewards, not scaled), "reinforce_pp" (reward minus the group mean,
     then whitened over the batch, each sequence weighted by `lengths` [B], its completion
-    tokens, when given: REINFORCE++ with a group baseline). Returns [B].
+    tokens, when given: REINFORCE++ with a group baseline). valid: [B] bool, the rows that
+    vote (None: all): a row no reward function could score, or one out of the loss, is left
+    out of its group's mean and std and gets exactly 0 (TRL's convention for all-None
+    rewards); a group with fewer than 2 valid rows gets 0. Returns [B].
     """
     _check_advantage_options(scale, std, estimator)
     if rewards.dim() != 1:
@@ -134,6 +138,12 @@ def group_advantages(
         raise ValueError(f"rewards must be finite; non-finite at indices {bad[:10]}")
     if not rewards.is_floating_point():
         rewards = rewards.float()
+    if valid is not None:
+        if valid.shape != rewards.shape:
+            raise ValueError(f"valid {tuple(valid.shape)} must be [B] = {tuple(rewards.shape)}")
+        if not bool(valid.all()):
+            args = (scale, eps, std == "sample", zero_std_guard, estimator, lengths)
+            return _valid_group_advantages(rewards, valid.bool(), group_size, *args)
 
     unbiased = std == "sample"
     r = rewards.view(-1, group_size)  # [n_groups, G]
@@ -163,6 +173,33 @@ def _nonzero(scale: torch.Tensor) -> torch.Tensor:
     return scale.clamp(min=torch.finfo(scale.dtype).tiny)
 
 
+def _valid_group_advantages(
+    rewards, valid, group_size, scale, eps, unbiased, zero_std_guard, estimator, lengths
+) -> torch.Tensor:
+    """group_advantages over the valid rows only (valid [B] bool, some False): the same
+    conventions with each group's count of valid rows for G. Invalid rows get exactly 0."""
+    r = rewards.view(-1, group_size)  # [n_groups, G]
+    v = valid.view_as(r).to(r.dtype)  # [n_groups, G]
+    n = v.sum(dim=1, keepdim=True)  # [n_groups, 1] valid rows per group
+    mean = (r * v).sum(dim=1, keepdim=True) / n.clamp(min=1)
+    centred = (r - mean) * v
+    std = ((centred**2).sum(dim=1, keepdim=True) / (n - float(unbiased)).clamp(min=1)).sqrt()
+    if estimator == "rloo":
+        adv = centred * (n / (n - 1).clamp(min=1))
+    elif estimator == "reinforce_pp":
+        w = v if lengths is None else lengths.view_as(r).to(r.dtype) * v
+        adv = whiten(centred, w, unbiased)
+    elif scale == "group":
+        adv = centred / _nonzero(std + eps)
+    elif scale == "batch":
+        flat, keep = rewards[valid], valid.sum()
+        adv = centred / _nonzero(flat.std(unbiased=unbiased and bool(keep > 1)) + eps)
+    else:
+        adv = centred
+    keep = (n >= 2) & (std > eps) if zero_std_guard else n >= 2
+    return torch.where(keep & valid.view_as(r), adv, torch.zeros_like(adv)).view(-1)
+
+
 def whiten(
     values: torch.Tensor, weights: torch.Tensor | None = None, unbiased: bool = False
 ) -> torch.Tensor:
@@ -187,8 +224,9 @@ def informative_groups(rewards: torch.Tensor, group_size: int, eps: float = 1e-4
 
 def truncation_mask(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
     """The loss mask without the completions that hit max_completion_length (TRL's
-    mask_truncated_completions): they leave the loss and its normaliser, but keep their
-    place in their group's advantages. mask [B, T], truncated [B] bool -> [B, T]."""
+    mask_truncated_completions): they leave the loss and its normaliser, and the trainer
+    leaves them out of their group's statistics (advantage 0). mask [B, T], truncated [B]
+    bool -> [B, T]."""
     if truncated.shape != mask.shape[:1]:
         raise ValueError(f"truncated {tuple(truncated.shape)} must be [B] = [{mask.shape[0]}]")
     return mask * (~truncated.bool()).unsqueeze(1).to(mask.dtype)
@@ -448,8 +486,10 @@ def grpo_loss(
         if beta > 0:
             scaled = kl
             if use_bias_correction_kl:
-                level, clamp = importance_sampling_level, log_ratio_clamp
-                scaled = kl * importance_ratio(logp_new, logp_old, mask, level, clamp)
+                # The per-token ratio whatever the policy term's level: the KL is per token,
+                # and a GSPO sequence ratio [B, 1] would add a gradient term of every token's
+                # KL to every other token of the sequence (TRL #6586).
+                scaled = kl * importance_ratio(logp_new, logp_old, mask, "token", log_ratio_clamp)
             per_token = per_token + beta * scaled
     if entropy is not None and entropy_coef:
         per_token = per_token - entropy_coef * entropy
@@ -617,6 +657,7 @@ PROFILE_SOURCES = {
 # fixed convention, which the preflight checks against the declared one. The menu's other
 # options change the algorithm and need a function that takes them.
 CONVENTION_KWARGS = (
+    "valid",
     "std",
     "zero_std_guard",
     "log_ratio_clamp",

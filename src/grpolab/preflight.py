@@ -417,7 +417,10 @@ def run_preflight(run: Run, progress=None) -> list[CheckResult]:
     cfg, model, functions = run.cfg, run.model, run.functions
     say = progress or (lambda doing: None)
     transformers.utils.logging.disable_progress_bar()
-    s = settings_from_config(cfg)
+    # loss.masked_nan holds grpolab's own loss to NaN in masked slots; a user's loss gets
+    # grpolab's inputs, finite under the mask, so masking by multiplication is right there.
+    own_loss = functions.source.get("grpo_loss", "grpolab") == "grpolab"
+    s = dataclasses.replace(settings_from_config(cfg), masked_nan=own_loss)
     system_prompt = cfg.task.system_prompt if cfg.task.chat_template else None
     say("tokenizer.coverage: the task's prompts and answers through the tokenizer")
     coverage = check_tokenizer_coverage(run.task, run.tokenizer, system_prompt)

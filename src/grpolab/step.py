@@ -160,6 +160,11 @@ def collect(run: Run, step: int) -> StepBatch:
     if o.advantage_estimator == "reinforce_pp":  # whitened over the batch's tokens
         lengths = rollout.completion_mask.sum(dim=1).float()
         kwargs["lengths"] = dist_module.all_gather_cat(lengths, d)
+    # Rows that vote in their group's statistics: scored by some function and in the loss
+    # (truncation masking, dynamic sampling's fill); the others get advantage 0.
+    valid = scores.scorable.float() if loss_rows is None else scores.scorable * loss_rows
+    kwargs["valid"] = dist_module.all_gather_cat(valid.float(), d) > 0
+    kwargs = core.accepted_kwargs(run.functions.group_advantages, kwargs)
     advantages = run.functions.group_advantages(all_rewards, G, **kwargs)
     adv_group_sum = float(advantages.view(-1, G).sum(dim=1).abs().max())
     advantages = advantages[dist_module.rank_slice(len(advantages), d)]  # [B]

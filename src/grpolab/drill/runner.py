@@ -5,6 +5,7 @@ lines. The model and the batch are built once and reused for every check."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import sys
 from collections.abc import Callable, Mapping
@@ -380,7 +381,9 @@ class Workbench:
         batch, completions = sample_batch(self.run)
         self.model, self.tokenizer, self.batch = model, tokenizer, batch
         self.completions = completions
-        self.settings = settings_from_config(cfg)
+        # The drill's loss masks by multiplying, as its hints teach: loss.masked_nan is not
+        # one of its goals.
+        self.settings = dataclasses.replace(settings_from_config(cfg), masked_nan=False)
 
     def functions(self, impl: CoreFunctions) -> CoreFunctions:
         """The learner's functions where written, the trainer's (as configured) elsewhere."""

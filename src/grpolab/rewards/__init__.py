@@ -5,6 +5,8 @@
     result = score(rollout, examples, rewards)   # examples: one per prompt (or per sample)
     result.total          # [B] sum_k weight_k * reward_k (None counts 0, as TRL's nansum)
     result.per_function   # name -> [B] unweighted values; NaN where a function returned None
+    result.scorable       # [B] bool: some function scored the sample (all None: out of the
+                          # group statistics, advantage 0, TRL's convention)
     result.errors         # name -> samples that got the fallback in this call
     result.error_texts    # name -> that function's last failure in this call, one line
     result.metrics        # rewards/<name>/mean, reward_errors/<name>, frac_reward_zero_std, ...
@@ -66,6 +68,11 @@ class RewardResult:
     errors: dict[str, int]  # name -> samples that got the fallback
     metrics: dict[str, float]
     error_texts: dict[str, str] = field(default_factory=dict)  # name -> its last failure
+    scorable: torch.Tensor | None = None  # [B] bool; None: every sample
+
+    def __post_init__(self) -> None:
+        if self.scorable is None:
+            self.scorable = torch.ones(self.total.shape, dtype=torch.bool)
 
 
 class Rewards(list):
@@ -233,6 +240,14 @@ def score(
             metrics[f"rewards/{fn.name}/none_frac"] = 1 - valid.numel() / B
     if rollout is not None and rollout.episode_rewards is not None:
         total += _environment_reward(rollout.episode_rewards, per_function, metrics)
+    # A sample every function scored None (a failure gets the fallback, not None) has no
+    # reward: it counts 0 in the total but does not vote in its group's baseline.
+    scorable = torch.zeros(B, dtype=torch.bool)
+    for t in per_function.values():
+        scorable |= ~t.isnan()
+    if not per_function:
+        scorable[:] = True
+    metrics["reward/unscorable"] = 1 - scorable.float().mean().item()
     metrics["reward/mean"] = total.mean().item()
     metrics["reward/std"] = total.std(unbiased=False).item()
     group_std = total.view(-1, G).std(dim=1, unbiased=False)
@@ -250,6 +265,7 @@ def score(
         errors=errors,
         metrics=metrics,
         error_texts=error_texts,
+        scorable=scorable,
     )
 
 
