@@ -456,3 +456,25 @@ def test_excluded_rows_do_not_vote():
         core.group_advantages(rewards, 4, valid=torch.ones(8, dtype=torch.bool)),
         core.group_advantages(rewards, 4),
     )
+
+
+@pytest.mark.parametrize("loss_type", ["sequence", "token", "constant"])
+@pytest.mark.parametrize("micro", [1, 2, 3, 5])
+def test_micro_batches_with_rows_out_of_the_loss_equal_the_loss_over_its_rows(loss_type, micro):
+    # Rows 1 and 4 are out of the loss (truncation masking, dynamic sampling's fill): their
+    # mask is 0. Accumulating the micro-batches' losses with the trainer's scaling must give
+    # the gradient of the declared loss over the rows in the loss alone, in float64.
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([4, 6, 1, 3, 5, 2])
+    mask = (torch.arange(6)[None, :] < lengths[:, None]).double()  # [6, 6]
+    mask[[1, 4]] = 0.0
+    per_token = torch.randn(6, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    in_loss = mask.sum(1) > 0
+    L = 6
+    core.aggregate(per_token[in_loss], mask[in_loss], loss_type, L).backward()
+    expected, per_token.grad = per_token.grad.clone(), None
+    for start in range(0, 6, micro):
+        rows = slice(start, start + micro)
+        share = core.micro_batch_scale(loss_type, mask[rows], mask)
+        (core.aggregate(per_token[rows], mask[rows], loss_type, L) * share).backward()
+    assert torch.allclose(per_token.grad, expected, rtol=0, atol=16 * EPS64)

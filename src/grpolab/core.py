@@ -389,8 +389,13 @@ def aggregate(
 def normaliser_count(loss_type: str, mask: torch.Tensor) -> float:
     """What the loss of a minibatch is divided by, up to constants shared by all of its
     micro-batches: completion tokens for "token", sequences otherwise ("constant"'s
-    B * max_completion_length shares its max_completion_length). mask: [b, T]."""
-    return float(mask.sum()) if aggregation(loss_type) == "token" else float(mask.shape[0])
+    B * max_completion_length shares its max_completion_length). Only rows in the loss count:
+    a row whose mask is all 0 (truncation masking, dynamic sampling's fill) adds nothing to
+    the numerator, so counting it in the denominator would shrink every other row's weight
+    (TRL #6369). mask: [b, T]."""
+    if aggregation(loss_type) == "token":
+        return float(mask.sum())
+    return float((mask.sum(dim=1) > 0).sum())
 
 
 def micro_batch_scale(
@@ -401,8 +406,9 @@ def micro_batch_scale(
 ) -> float:
     """Factor turning a micro-batch's `aggregate` loss into its share of the loss of the whole
     minibatch, so that gradients accumulated over micro-batches equal the one-pass gradient:
-    sequence -> b_micro / b_mini; token -> tokens_micro / tokens_mini (aggregate clamps the
-    count at 1); constant -> b_micro / b_mini (same max_completion_length).
+    sequence -> b_micro / (rows of the minibatch in the loss); token -> tokens_micro /
+    tokens_mini (aggregate clamps the count at 1); constant -> as sequence (same
+    max_completion_length).
     `minibatch_count`: the minibatch's `normaliser_count` over all ranks; None: this
     process's minibatch alone. Masks: [b, T]."""
     total = (
@@ -410,7 +416,7 @@ def micro_batch_scale(
     )
     if aggregation(loss_type) == "token":
         return float(micro_mask.sum().clamp(min=1)) / max(total, 1.0)
-    return micro_mask.shape[0] / total
+    return micro_mask.shape[0] / max(total, 1.0)  # aggregate divides by all b_micro rows
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
