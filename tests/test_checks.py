@@ -63,6 +63,11 @@ MENU_CAUGHT_BY = {
     "excluded_rows_vote": ("advantages.excluded_rows", {}),
     "nan_times_mask": ("loss.masked_nan", {}),
     "kl_sequence_ratio": ("kl.bias_correction_gradient", PROFILE_TRL),
+    "micro_scale_by_rows": ("norm.minibatch_invariance", {"loss_type": "token"}),
+    "sequence_counts_masked_rows": (
+        "norm.minibatch_invariance",
+        {"loss_type": "sequence", "mask_truncated_completions": True},
+    ),
 }
 # Every profile, every option of the menu: grpolab's own functions pass every check.
 DECLARED = {

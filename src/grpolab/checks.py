@@ -68,6 +68,10 @@ class PreflightSettings:
     # drill teaches masking by multiplication, which grpolab's inputs, finite under the
     # mask, allow).
     masked_nan: bool = True
+    # norm.minibatch_invariance: the trainer's micro-batch scaling with this loss. Off in the
+    # drill, whose learner writes the loss but not the scaling (split.gradient_invariance
+    # covers the learner's normaliser there).
+    accumulation: bool = True
 
 
 def grad_rows(batch: PreflightBatch, s: PreflightSettings) -> PreflightBatch:
@@ -140,6 +144,11 @@ HINTS = {
     "None) or one out of the loss must not vote: compute each group's mean and std over its "
     "valid rows only (valid [B] bool) and give the others advantage exactly 0, not reward 0 "
     "in the baseline (TRL PR #5902, NeMo-RL PR #4160)",
+    "norm.minibatch_invariance": "under gradient accumulation each micro-batch's loss is "
+    "scaled by its share of the minibatch's normaliser, counted over the rows in the loss: "
+    "tokens_micro / tokens_minibatch for token-mean, b_micro / (rows of the minibatch in the "
+    "loss) for sequence-mean and constant; rows out of the loss (truncation masking, dynamic "
+    "sampling's fill) count in neither (TRL PR #6024, TRL #6369)",
     "loss.masked_nan": "a NaN in a masked slot (padding of logp_old, logp_ref or logp_new) "
     "reaches the loss or its gradient: NaN * 0 is NaN, so select with torch.where(mask, x, 0) "
     "before any arithmetic instead of multiplying by the mask (OpenRLHF PR #1240)",
@@ -1104,6 +1113,63 @@ def check_masked_nan(impl: CoreFunctions, s: PreflightSettings):
     )
 
 
+# Unequal lengths (tokens per row), two rows out of the loss when rows can leave it.
+MINIBATCH_LENGTHS = (5, 1, 7, 3, 6, 2, 4, 7, 1)
+MINIBATCH_SPLITS = ((9, 1), (9, 2), (9, 4), (3, 1), (3, 2), (5, 3))  # (mini_batch_size, micro)
+
+
+def check_minibatch_invariance(impl: CoreFunctions, s: PreflightSettings):
+    """norm.minibatch_invariance: each optimizer step's gradient accumulated over micro-batches
+    with the trainer's scaling (micro_batch_scale) equals the gradient of that minibatch's loss
+    in one pass over the rows in the loss, for several mini_batch_size / micro-batch splits
+    (TRL PR #6024, ms-swift #10117, verl #5625: token-mean scaled by rows under accumulation;
+    TRL #6369: rows out of the loss still counted). Ratio 1, float64: no clip bound is near."""
+    o = s.objective
+    T = max(MINIBATCH_LENGTHS)
+    lengths = torch.tensor(MINIBATCH_LENGTHS)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).double()  # [9, T]
+    if o.mask_truncated_completions or o.dynamic_sampling:
+        mask[[2, 6]] = 0.0  # a truncated row and a filler: out of the loss
+    g = torch.Generator().manual_seed(s.seed + 3)
+    logp = -torch.rand(mask.shape, generator=g, dtype=torch.float64) - 0.1  # [9, T]
+    adv = torch.randn(mask.shape[0], generator=g, dtype=torch.float64)  # [9]
+    L = T + 1
+
+    def loss_of(rows, leaf):  # the implementation's loss of `rows`, its gradient into `leaf`
+        loss, _ = _loss(impl, leaf[rows], logp[rows].detach(), None, adv[rows], mask[rows], s, L=L)
+        return torch.as_tensor(loss)
+
+    worst = 0.0
+    for mini, micro in MINIBATCH_SPLITS:
+        for start in range(0, mask.shape[0], mini):
+            rows = torch.arange(start, min(start + mini, mask.shape[0]))
+            kept = rows[mask[rows].sum(1) > 0]
+            leaf = logp.clone().requires_grad_(True)
+            reference = torch.zeros_like(logp)
+            if len(kept):
+                (reference,) = torch.autograd.grad(loss_of(kept, leaf), leaf, allow_unused=True)
+                reference = torch.zeros_like(logp) if reference is None else reference
+            accumulated = torch.zeros_like(logp)
+            for m in range(0, len(rows), micro):
+                part = rows[m : m + micro]
+                share = impl.micro_batch_scale(o.loss_type, mask[part], mask[rows])
+                leaf = logp.clone().requires_grad_(True)
+                (grad,) = torch.autograd.grad(loss_of(part, leaf) * share, leaf, allow_unused=True)
+                accumulated += 0.0 if grad is None else grad
+            scale = max(_max_abs(reference), 1e-30)
+            worst = max(worst, _max_abs(accumulated - reference) / scale)
+    # float64 sums of at most 9 x 7 terms, each of the size of the largest: far below 1e-10.
+    yield _result(
+        "norm.minibatch_invariance",
+        6,
+        f"max relative |grad(micro-batches, trainer's scaling) - grad(one pass over the rows "
+        f"in the loss)| over {len(MINIBATCH_SPLITS)} (mini_batch_size, micro) splits",
+        worst,
+        "<= 1e-10",
+        worst <= 1e-10,
+    )
+
+
 def check_loss(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings):
     g = torch.Generator().manual_seed(s.seed + 1)
     # Metrics on a perturbed policy with a reference, against a direct computation.
@@ -1547,14 +1613,16 @@ FAMILIES = {
 }  # the seed objective's; `families` gives the declared objective's
 
 
-# Checks that run only where the objective declares something beyond the seed's (a profile's
-# convention, an option of the menu): the drill, on the seed's objective, never meets them.
+# Checks the drill, on the seed's objective, never meets: they run only where the objective
+# declares something beyond the seed's (a profile's convention, an option of the menu), or
+# hold grpolab's own machinery around the learner's loss (masked NaN, the micro-batch scaling).
 DECLARED_ONLY = frozenset(
     {
         "advantages.sample_std",
         "advantages.estimator",
         "advantages.excluded_rows",
         "loss.masked_nan",
+        "norm.minibatch_invariance",
         "kl.bias_correction_gradient",
         "gspo.ratio",
         "gspo.length_weighting",
@@ -1607,6 +1675,9 @@ def run_checks(
             ids = ("kl.bias_correction_gradient",)
             results += guarded(impl, ids, 5, check_bias_correction_gradient, impl, s)
         results += guarded(impl, fams[6], 6, check_normalisation, impl, model, batch, s)
+        if s.accumulation:
+            ids = ("norm.minibatch_invariance",)
+            results += guarded(impl, ids, 6, check_minibatch_invariance, impl, s)
         results += guarded(impl, fams[7], 7, check_loss, impl, model, batch, s)
         if s.masked_nan:
             results += guarded(impl, ("loss.masked_nan",), 0, check_masked_nan, impl, s)

@@ -972,12 +972,13 @@ CORE_FUNCTIONS = (
     "grpo_loss",
 )
 # The menu's own steps a user's file may also replace (each checked when its option is on).
-MENU_FUNCTIONS = ("tis_weights", "informative_groups", "truncation_mask")
+MENU_FUNCTIONS = ("tis_weights", "informative_groups", "truncation_mask", "micro_batch_scale")
 
 
 @dataclass
 class CoreFunctions:
-    """The six functions a GRPO step calls (and the menu's three), and where each came from
+    """The six functions a GRPO step calls (and the menu's three, and the micro-batch scaling
+    of gradient accumulation), and where each came from
     ("grpolab" or a user's file). The trainer, the preflight, `--impl` and the drill all run
     through one of these; `grpolab.functions.core_functions` chooses it."""
 
@@ -990,6 +991,7 @@ class CoreFunctions:
     tis_weights: Callable = tis_weights
     informative_groups: Callable = informative_groups
     truncation_mask: Callable = truncation_mask
+    micro_batch_scale: Callable = micro_batch_scale
     source: dict[str, str] = field(
         default_factory=lambda: dict.fromkeys(CORE_FUNCTIONS + MENU_FUNCTIONS, "grpolab")
     )

@@ -465,7 +465,7 @@ def micro_step(
     problem = first_nonfinite(
         {"logp_old": given_old, "logp_ref": ref, "logp_new": logp.detach()}, mask
     ) or first_nonfinite({"loss": loss.detach()})
-    scale = core.micro_batch_scale(cfg.trainer.loss_type, mask, minibatch_mask, minibatch_count)
+    scale = fns.micro_batch_scale(cfg.trainer.loss_type, mask, minibatch_mask, minibatch_count)
     tokens = float(mask.sum())
     stats.tokens += tokens
     for key, value in loss_metrics.items():

@@ -381,9 +381,12 @@ class Workbench:
         batch, completions = sample_batch(self.run)
         self.model, self.tokenizer, self.batch = model, tokenizer, batch
         self.completions = completions
-        # The drill's loss masks by multiplying, as its hints teach: loss.masked_nan is not
-        # one of its goals.
-        self.settings = dataclasses.replace(settings_from_config(cfg), masked_nan=False)
+        # The drill's loss masks by multiplying, as its hints teach, and the learner does not
+        # write the micro-batch scaling: neither loss.masked_nan nor norm.minibatch_invariance
+        # is one of its goals.
+        self.settings = dataclasses.replace(
+            settings_from_config(cfg), masked_nan=False, accumulation=False
+        )
 
     def functions(self, impl: CoreFunctions) -> CoreFunctions:
         """The learner's functions where written, the trainer's (as configured) elsewhere."""
