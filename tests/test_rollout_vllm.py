@@ -32,7 +32,7 @@ def trained(tokenizer):
     from grpolab.rollout.vllm import VLLMEngine
 
     model = build_tiny_model(tokenizer, TinyModelSpec(), seed=0)
-    cfg = RolloutConfig(engine="vllm", vllm_max_model_len=128)
+    cfg = RolloutConfig(engine="vllm", vllm_max_model_len=256)  # a whole KV block + decode
     torch.manual_seed(0)
     before = torch.get_rng_state(), random.getstate(), torch.get_num_threads()
     engine = VLLMEngine.from_model(model, tokenizer, cfg)
@@ -150,3 +150,24 @@ def test_rollout_json_with_vllm_keeps_stdout_for_the_json():
     assert len(out.stdout.splitlines()) == 1, out.stdout[:2000]
     assert len(json.loads(out.stdout)["samples"]) == 4
     assert "Loading" in out.stderr  # what vLLM printed went somewhere: to stderr
+
+
+def test_the_canary_catches_a_stale_prefix_cache(trained):
+    """A sync that loads the new weights but keeps the KV blocks cached with the old ones
+    (verl #7495, prime-rl PR #1650): scoring the canary as a prompt bypasses the cache and
+    agrees; decoding after its cached first half does not, and the check says so."""
+    from grpolab.rollout.vllm import WeightSyncError, engine_state_dict, state_dict_bytes
+
+    model, engine, _ = trained
+    engine.sync_weights(model)  # caches the canary's prefix with these weights
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    payload = state_dict_bytes(engine_state_dict(model))
+    engine.llm.collective_rpc("grpolab_load_weights", args=(payload,))  # no cache reset
+    with pytest.raises(WeightSyncError, match="stale prefix cache"):
+        engine.check_sync(model)
+    engine.sync_weights(model)  # the faithful sync resets the cache: agreement again
+    assert engine.last_sync_gap <= logprob_tolerance(model)
+

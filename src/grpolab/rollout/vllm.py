@@ -62,6 +62,21 @@ _SEED_STRIDE = 1_000_003  # request i of a call is seeded seed * stride + i
 CANARY_TEXT = "Canary 12+34=46; 7*8=56. The weights in both engines agree."
 
 
+CANARY_DECODE_TOKENS = 8
+
+
+@torch.no_grad()
+def trainer_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """The trainer's log-prob of each token of `ids` after the first, temperature 1: [T-1]."""
+    from grpolab import core
+
+    input_ids = torch.tensor([ids], device=next(model.parameters()).device)  # [1, T]
+    ones = torch.ones_like(input_ids)
+    with eval_mode(model):
+        logp, _ = core.sequence_logprobs(model, input_ids, ones, ones)  # [1, T-1]
+    return logp[0].float().cpu()
+
+
 class WeightSyncError(RuntimeError):
     """The engine's weights after a sync do not give the trainer's log-probs."""
 
@@ -288,28 +303,56 @@ class VLLMEngine:
         steps = out.prompt_logprobs[1:]  # the first token has no log-prob
         return torch.tensor([step[t].logprob for step, t in zip(steps, ids[1:], strict=True)])
 
+    def canary_prefix(self, ids: list[int]) -> list[int] | None:
+        """The canary repeated to one whole KV block (the unit the prefix cache keeps: 16
+        tokens on GPU, 128 on CPU) and one token more (a prompt's last token is always
+        recomputed), or None when the context cannot hold it and the decode."""
+        length = self.llm.llm_engine.vllm_config.cache_config.block_size + 1
+        if length + CANARY_DECODE_TOKENS > self.context_length:
+            return None
+        return (ids * (length // len(ids) + 1))[:length]
+
+    def engine_canary_decode(self, prefix: list[int]) -> tuple[list[int], torch.Tensor]:
+        """Tokens the engine samples after `prefix`, and their log-probs [k]. Prompt
+        log-probs bypass the prefix cache; a decode reads it: every check decodes after the
+        same prefix, so KV cached before a sync and kept (a stale prefix cache) conditions
+        these tokens on the old weights."""
+        params = self._vllm.SamplingParams(
+            max_tokens=CANARY_DECODE_TOKENS, temperature=1.0, logprobs=0, detokenize=False,
+            seed=0, ignore_eos=True,
+        )  # fmt: skip
+        request = self._vllm.inputs.TokensPrompt(prompt_token_ids=prefix)
+        with host_state_preserved():
+            (out,) = self.llm.generate([request], params, use_tqdm=False)
+        sample = out.outputs[0]
+        tokens = list(sample.token_ids)
+        logprobs = [step[t].logprob for step, t in zip(sample.logprobs, tokens, strict=True)]
+        return prefix + tokens, torch.tensor(logprobs)
+
     @torch.no_grad()
     def check_sync(self, model: torch.nn.Module) -> float:
-        """Max |engine - trainer| log-prob over the canary's tokens; WeightSyncError above
-        `sync_tolerance` (0 turns the check off). Records it in `last_sync_gap`."""
+        """Max |engine - trainer| log-prob over the canary's tokens, scored as a prompt and
+        decoded after its cached first half; WeightSyncError above `sync_tolerance` (0 turns
+        the check off). Records it in `last_sync_gap`."""
         if not self.sync_tolerance:
             return float("nan")
-        from grpolab import core
-
         ids = self.canary_ids()
-        device = next(model.parameters()).device
-        input_ids = torch.tensor([ids], device=device)  # [1, T]
-        ones = torch.ones_like(input_ids)
-        with eval_mode(model):
-            logp, _ = core.sequence_logprobs(model, input_ids, ones, ones)  # [1, T-1]
-        engine = self.engine_canary_logprobs(ids)
-        gap = float((engine - logp[0].float().cpu()).abs().max())
+        scored = self.engine_canary_logprobs(ids)  # [T-1]
+        prompt_gap = float((scored - trainer_logprobs(model, ids)).abs().max())
+        decode_gap, prefix = 0.0, self.canary_prefix(ids)
+        if prefix is not None:
+            decoded, sampled = self.engine_canary_decode(prefix)  # [k] for the last k tokens
+            tail = trainer_logprobs(model, decoded)[-len(sampled) :]  # the sampled tokens'
+            decode_gap = float((sampled - tail).abs().max())
+        gap = max(prompt_gap, decode_gap)
         self.last_sync_gap = gap
         if not gap <= self.sync_tolerance:  # NaN fails too
             raise WeightSyncError(
                 f"weight sync check: the engine's log-probs of a {len(ids)}-token canary differ "
-                f"from the trainer's by up to {gap:.3g} (rollout.vllm_sync_tolerance="
+                f"from the trainer's by up to {gap:.3g} (scored as a prompt {prompt_gap:.3g}, "
+                f"decoded after its cached prefix {decode_gap:.3g}; rollout.vllm_sync_tolerance="
                 f"{self.sync_tolerance:g}): the engine is not running the trainer's weights"
+                + (" (a stale prefix cache?)" if prompt_gap <= self.sync_tolerance else "")
             )
         return gap
 
