@@ -37,6 +37,7 @@ dependencies into .venv/peers; TRL is a test dependency):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -133,7 +134,10 @@ def grpolab_side(batch: Batch, overrides: list[str]):
     kwargs = o.advantage_kwargs()
     if o.advantage_estimator == "reinforce_pp":
         kwargs["lengths"] = batch.mask.sum(1)
-    advantages = core.group_advantages(batch.rewards, G, **kwargs)
+    unscorable = torch.isnan(batch.rewards)  # every reward function returned None
+    if unscorable.any():
+        kwargs["valid"] = ~unscorable
+    advantages = core.group_advantages(torch.nan_to_num(batch.rewards), G, **kwargs)
     leaf = batch.logp.clone().requires_grad_(True)
     loss, _ = core.grpo_loss(leaf, batch.old, batch.ref, advantages, batch.mask, **o.loss_kwargs())
     loss.backward()
@@ -182,7 +186,9 @@ def trl_side(batch: Batch, advantages: torch.Tensor | None = None, **config):
         )
         trainer = GRPOTrainer(
             model=model,
-            reward_funcs=lambda completions, reward, **_: list(reward),
+            reward_funcs=lambda completions, reward, **_: [
+                None if np.isnan(r) else r for r in reward
+            ],
             args=args,
             train_dataset=Dataset.from_dict({"prompt": ["."] * G, "reward": [0.0] * G}),
             processing_class=tokenizer,
@@ -333,6 +339,14 @@ def openrlhf_side(batch: Batch, estimator: str = "group_norm"):
 # --- The table -------------------------------------------------------------------------------
 
 
+def with_unscorable(batch: Batch) -> Batch:
+    """The batch with rows no reward function could score (NaN here, None to TRL): one in
+    the first group, two in the third, all but one in the fourth."""
+    rewards = batch.rewards.clone()
+    rewards[[1, 8, 10, 12, 13, 14]] = float("nan")
+    return dataclasses.replace(batch, rewards=rewards)
+
+
 def seed_advantages(batch: Batch) -> torch.Tensor:
     from grpolab import core
 
@@ -352,6 +366,14 @@ CASES: list[tuple[str, str, list[str], Callable, str]] = [
         "grpolab's advantages",
     ),
     ("trl", "TRL 1.16 GRPOTrainer", ["trainer.profile=trl"], lambda b: trl_side(b), "defaults"),
+    (
+        "trl",
+        "TRL 1.16 GRPOTrainer",
+        ["trainer.profile=trl"],
+        lambda b: trl_side(b),
+        "None rewards (TRL PR #5902)",
+        with_unscorable,
+    ),
     (
         "trl",
         "TRL 1.16 GRPOTrainer",
@@ -428,10 +450,11 @@ CASES: list[tuple[str, str, list[str], Callable, str]] = [
 
 def run(batch: Batch) -> list[dict]:
     rows = []
-    for profile, peer, overrides, peer_fn, note in CASES:
-        ours = grpolab_side(batch, overrides)
-        theirs = peer_fn(batch)
-        valid = batch.mask.bool()
+    for profile, peer, overrides, peer_fn, note, *transform in CASES:
+        case = transform[0](batch) if transform else batch
+        ours = grpolab_side(case, overrides)
+        theirs = peer_fn(case)
+        valid = case.mask.bool()
         diffs = {
             "advantages": float((ours[0] - theirs[0]).abs().max()),
             "loss": abs(ours[1] - theirs[1]),
@@ -462,15 +485,17 @@ def run(batch: Batch) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     print(f"parity with the peers' own code | target max |diff| <= {TARGET:g} | beta {BETA}")
+    width = max(len(r["options"]) for r in rows) + 2
     header = (
-        f"{'profile':<10}{'peer':<26}{'options':<22}{'quantity':<12}{'max |diff|':>12}{'scale':>10}"
+        f"{'profile':<10}{'peer':<26}{'options':<{width}}{'quantity':<12}{'max |diff|':>12}"
+        f"{'scale':>10}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         verdict = "" if r["within_target"] else "  OVER"
         print(
-            f"{r['profile']:<10}{r['peer']:<26}{r['options']:<22}{r['quantity']:<12}"
+            f"{r['profile']:<10}{r['peer']:<26}{r['options']:<{width}}{r['quantity']:<12}"
             f"{r['max_abs_diff']:>12.2e}{r['scale']:>10.3g}{verdict}"
         )
 
