@@ -488,8 +488,9 @@ def _reference_advantages(
         if o.advantage_std == "sample":
             var = var * w.sum() / (w.sum() - 1)
         adv = (centred - mean) / torch.sqrt(var + core.WHITEN_EPS)
-    else:
-        adv = centred / (std + o.advantage_eps)
+    else:  # a flat group with eps = 0 is 0 / 0: 0, as group_advantages defines it
+        scale = std + o.advantage_eps
+        adv = torch.where(scale > 0, centred / scale.clamp(min=1e-300), torch.zeros_like(centred))
     if o.zero_std_guard:
         adv = torch.where(std > o.advantage_eps, adv, torch.zeros_like(adv))
     return adv.view(-1)
@@ -560,8 +561,11 @@ def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSet
 
     if o.advantage_estimator == "grpo":
         live = torch.tensor([0, 3])  # groups with real spread in the designed batch
-        stds = adv.view(-1, 4)[live].std(dim=1, unbiased=o.advantage_std == "sample")
-        dev = _max_abs(stds - 1)
+        unbiased = o.advantage_std == "sample"
+        stds = adv.view(-1, 4)[live].std(dim=1, unbiased=unbiased)
+        # 1 when eps is far below the group's std: std / (std + eps) in general
+        expected_stds = ref.view(-1, 4)[live].std(dim=1, unbiased=unbiased)
+        dev = _max_abs(stds - expected_stds)
         yield _result(
             f"advantages.{o.advantage_std}_std",
             2,
@@ -573,9 +577,13 @@ def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSet
         )
 
     flat = adv.view(-1, 4)[1:3]  # the equal-reward group and the 1e-9-noise group
-    if o.zero_std_guard:
+    if o.zero_std_guard and _max_abs(ref.view(-1, 4)[1:3]) == 0.0:
         worst = _max_abs(flat)
         what, expected, ok = "max |adv|", "== 0 exactly", worst == 0.0
+    elif o.zero_std_guard:  # eps below the noise's std: the guard keeps that group
+        worst = _max_abs(flat - ref.view(-1, 4)[1:3])
+        what, expected = f"max |adv - the guarded reference| (eps {o.advantage_eps:g})", "<= 1e-6"
+        ok = worst <= 1e-6 and _max_abs(adv.view(-1, 4)[1]) == 0.0
     else:
         worst = _max_abs(flat - ref.view(-1, 4)[1:3])
         what, expected = "max |adv - (r - mean) / (std + eps)| (no zero-std guard)", "<= 1e-6"
@@ -624,7 +632,7 @@ def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSet
 # would move their group's mean and std if they voted; 3 valid rows in every group, so the
 # reference is the declared convention on the valid rows with G = 3 (NeMo-RL PR #4160's
 # [1, 0, 0] + a masked row: [0.667, -0.333, -0.333] mean-centred).
-EXCLUDED_REWARDS = (1.0, 0.0, 0.0, 5.0, -3.0, 0.5, 1.0, 0.0, 0.2, 0.2, 0.2, 1.0)
+EXCLUDED_REWARDS = (1.0, 0.0, 0.0, 5.0, -3.0, 0.5, 1.0, 0.0, 0.25, 0.25, 0.25, 1.0)  # binary-exact
 EXCLUDED_VALID = (1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0)
 
 

@@ -1,0 +1,162 @@
+"""A property test over the valid config space: grpolab's own functions pass every check of
+the preflight under every sampled config (a false alarm is as bad as a missed bug).
+
+Configs are drawn with a fixed seed from every key the objective has (profiles, clip values
+across (0, 1), G, temperature, beta, loss types, estimators, scales, the menu's options and
+their combinations) and go through load_config, so only configs it accepts are checked.
+CI checks CI_CONFIGS of them; `python tests/test_config_space.py N [SEED]` checks N offline
+and prints each false alarm.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import sys
+
+import pytest
+import torch
+
+from grpolab import checks
+from grpolab.config import ConfigError, load_config
+from grpolab.models import build_char_tokenizer, build_tiny_model
+from grpolab.rollout import SamplingParams
+from grpolab.rollout.hf import HFEngine
+
+CI_CONFIGS = 40
+CI_SEED = 21
+PROMPTS = ["37+48=", "5+5=", "12+30=", "99+1="]
+
+
+def _clip(rng: random.Random) -> float:
+    return round(rng.uniform(0.01, 0.99), 3)
+
+
+def sample_overrides(rng: random.Random) -> list[str]:
+    """One draw from the config space, as the command line's overrides."""
+    t: dict[str, object] = {}
+    profile = rng.choice(["seed", "trl", "verl", "openrlhf"])
+    if profile != "seed":
+        t["profile"] = profile
+    t["num_generations"] = rng.choice([2, 4, 8])
+    t["loss_type"] = rng.choice(
+        ["sequence", "token", "constant", "grpo", "bnpo", "dapo", "dr_grpo", "cispo"]
+    )
+    t["epsilon"] = _clip(rng)
+    if t["loss_type"] == "cispo":
+        t["epsilon_high"] = round(rng.uniform(1.0, 8.0), 2)
+    else:
+        t["epsilon_high"] = rng.choice([t["epsilon"], _clip(rng), _clip(rng)])
+    t["beta"] = rng.choice([0.0, 0.04, round(rng.uniform(0.001, 1.0), 3)])
+    if t["beta"]:
+        t["kl_estimator"] = rng.choice(["k1", "k2", "k3"])
+        t["kl_clamp"] = rng.choice(["null", 10.0, round(rng.uniform(0.5, 20), 2)])
+        t["use_bias_correction_kl"] = rng.choice(["true", "false"])
+    t["advantage_estimator"] = rng.choice(["grpo", "grpo", "rloo", "reinforce_pp"])
+    if t["advantage_estimator"] == "grpo":
+        t["advantage_std"] = rng.choice(["population", "sample"])
+        t["scale_rewards"] = rng.choice(["group", "batch", "none"])
+        t["zero_std_guard"] = rng.choice(["true", "false"])
+    t["advantage_eps"] = rng.choice([0.0, 1e-6, 1e-4, 0.01])
+    t["importance_sampling_level"] = rng.choice(["token", "token", "sequence"])
+    if rng.random() < 0.3:
+        t["delta"] = round(rng.uniform(1.05, 4.0), 2)
+    if rng.random() < 0.3:
+        t["dual_clip"] = round(rng.uniform(1.5, 6.0), 2)
+    t["mask_truncated_completions"] = rng.choice(["true", "false"])
+    t["dynamic_sampling"] = rng.choice(["true", "false"])
+    t["entropy_coef"] = rng.choice([0.0, 0.0, 0.01])
+    if rng.random() < 0.3:
+        t["logprob_source"] = "engine"
+        t["tis_cap"] = rng.choice(["null", round(rng.uniform(1.5, 10), 2)])
+        t["tis_mode"] = rng.choice(
+            ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+        )
+    t["num_iterations"] = rng.choice([1, 1, 2])
+    overrides = [f"trainer.{k}={v}" for k, v in t.items()]
+    overrides.append(f"rollout.temperature={round(rng.uniform(0.3, 1.5), 2)}")
+    return overrides
+
+
+@functools.cache
+def valid_configs(n: int, seed: int):
+    """The first n sampled configs that load_config accepts: (overrides, config)."""
+    rng, found, tries = random.Random(seed), [], 0
+    while len(found) < n:
+        tries += 1
+        assert tries < 100 * n, "the sampler rarely draws a valid config"
+        overrides = sample_overrides(rng)
+        try:
+            found.append((overrides, load_config(None, overrides)))
+        except ConfigError:
+            continue
+    return found
+
+
+class Batches:
+    """One real rollout of the tiny model per G, rewards that vary in some groups only."""
+
+    def __init__(self):
+        self.tokenizer = build_char_tokenizer()
+        self.model = build_tiny_model(self.tokenizer, seed=0)
+        self.engine = HFEngine(self.model, self.tokenizer)
+        self.cache: dict[tuple[int, float], checks.PreflightBatch] = {}
+
+    def get(self, G: int, temperature: float) -> checks.PreflightBatch:
+        if (G, temperature) not in self.cache:
+            params = SamplingParams(temperature=temperature, max_completion_length=8, seed=G)
+            rollout = self.engine.generate(PROMPTS, G, params)
+            g = torch.Generator().manual_seed(G)
+            rewards = (torch.rand(len(PROMPTS) * G, generator=g) > 0.5).float()
+            rewards.view(-1, G)[-1] = 1.0  # one flat group
+            self.cache[G, temperature] = checks.PreflightBatch(
+                rollout.input_ids,
+                rollout.attention_mask,
+                rollout.completion_mask,
+                rewards,
+                G,
+                rollout.engine_logprobs,
+            )
+        return self.cache[G, temperature]
+
+
+def false_alarms(batches: Batches, cfg) -> list[tuple[str, float, str]]:
+    from grpolab.preflight import settings_from_config
+
+    s = settings_from_config(cfg)
+    batch = batches.get(cfg.trainer.num_generations, cfg.rollout.temperature)
+    results = checks.run_checks(batches.model, batch, s)
+    # rewards.variance reads the task's rewards, not the functions: not a claim about them.
+    return [
+        (r.id, r.measured, r.expected)
+        for r in results
+        if not r.passed and r.id != "rewards.variance"
+    ]
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return Batches()
+
+
+@pytest.mark.parametrize("index", range(CI_CONFIGS))
+def test_grpolabs_own_functions_pass_every_check_under_sampled_configs(batches, index):
+    overrides, cfg = valid_configs(CI_CONFIGS, CI_SEED)[index]
+    assert not false_alarms(batches, cfg), overrides
+
+
+def main(argv: list[str]) -> int:
+    n = int(argv[0]) if argv else 200
+    seed = int(argv[1]) if len(argv) > 1 else 0
+    batches, alarms = Batches(), 0
+    for overrides, cfg in valid_configs(n, seed):
+        failed = false_alarms(batches, cfg)
+        if failed:
+            alarms += 1
+            print(" ".join(overrides), "->", failed)
+    print(f"{n} valid configs (seed {seed}): {alarms} false alarms")
+    return 1 if alarms else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
