@@ -4,8 +4,9 @@ the preflight under every sampled config (a false alarm is as bad as a missed bu
 Configs are drawn with a fixed seed from every key the objective has (profiles, clip values
 across (0, 1), G, temperature, beta, loss types, estimators, scales, the menu's options and
 their combinations) and go through load_config, so only configs it accepts are checked.
-CI checks CI_CONFIGS of them; `python tests/test_config_space.py N [SEED]` checks N offline
-and prints each false alarm.
+CI checks CI_CONFIGS of them, and each mutant of the seed's functions under MUTANT_CONFIGS;
+`python tests/test_config_space.py N [SEED] [--mutants]` checks N offline and prints each
+false alarm (and each mutant that passes its check where it is a bug).
 """
 
 from __future__ import annotations
@@ -13,18 +14,33 @@ from __future__ import annotations
 import functools
 import random
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from test_checks import CAUGHT_BY
 
-from grpolab import checks
+from grpolab import checks, core
 from grpolab.config import ConfigError, load_config
+from grpolab.functions import load_impl
 from grpolab.models import build_char_tokenizer, build_tiny_model
 from grpolab.rollout import SamplingParams
 from grpolab.rollout.hf import HFEngine
 
 CI_CONFIGS = 40
 CI_SEED = 21
+MUTANT_CONFIGS = 12  # of the same draw, for each mutant of the seed's functions
+MUTANTS = Path(__file__).parent / "mutants"
+# Where a mutant is a bug at all: beyond these, wherever its named check runs. (A symmetric
+# clip cannot be swapped; k1 declared is what naive_kl computes; ...)
+APPLIES = {
+    "no_zero_std_guard": lambda o: o.zero_std_guard,
+    "eps_swapped": lambda o: o.epsilon != o.epsilon_high,
+    "naive_kl": lambda o: o.kl_estimator == "k3",
+    "reversed_k3": lambda o: o.kl_estimator == "k3",
+    "token_mean_declared_sequence": lambda o: core.aggregation(o.loss_type) != "token",
+    "no_temperature": lambda o: o.temperature != 1.0,
+}
 PROMPTS = ["37+48=", "5+5=", "12+30=", "99+1="]
 
 
@@ -145,17 +161,47 @@ def test_grpolabs_own_functions_pass_every_check_under_sampled_configs(batches, 
     assert not false_alarms(batches, cfg), overrides
 
 
+def mutant_misses(batches: Batches, cfg, mutant: str) -> str | None:
+    """None when `mutant` fails its named check under cfg (or is no bug there), else why."""
+    from grpolab.preflight import settings_from_config
+
+    s = settings_from_config(cfg)
+    check = CAUGHT_BY[mutant]
+    if not APPLIES.get(mutant, lambda o: True)(s.objective):
+        return None
+    impl = load_impl(MUTANTS / f"{mutant}.py")
+    batch = batches.get(cfg.trainer.num_generations, cfg.rollout.temperature)
+    results = {r.id: r for r in checks.run_checks(batches.model, batch, s, impl=impl)}
+    if check not in results or not results[check].passed:
+        return None
+    return f"{mutant} passes {check} ({results[check].measured})"
+
+
+@pytest.mark.parametrize("mutant", sorted(CAUGHT_BY))
+def test_each_mutant_fails_its_check_under_sampled_configs(batches, mutant):
+    for overrides, cfg in valid_configs(CI_CONFIGS, CI_SEED)[:MUTANT_CONFIGS]:
+        assert mutant_misses(batches, cfg, mutant) is None, overrides
+
+
 def main(argv: list[str]) -> int:
-    n = int(argv[0]) if argv else 200
-    seed = int(argv[1]) if len(argv) > 1 else 0
-    batches, alarms = Batches(), 0
+    numbers = [a for a in argv if not a.startswith("--")]
+    n = int(numbers[0]) if numbers else 200
+    seed = int(numbers[1]) if len(numbers) > 1 else 0
+    batches, alarms, misses, pairs = Batches(), 0, 0, 0
     for overrides, cfg in valid_configs(n, seed):
         failed = false_alarms(batches, cfg)
         if failed:
             alarms += 1
             print(" ".join(overrides), "->", failed)
-    print(f"{n} valid configs (seed {seed}): {alarms} false alarms")
-    return 1 if alarms else 0
+        for mutant in sorted(CAUGHT_BY) if "--mutants" in argv else []:
+            pairs += 1
+            why = mutant_misses(batches, cfg, mutant)
+            if why:
+                misses += 1
+                print(" ".join(overrides), "->", why)
+    print(f"{n} valid configs (seed {seed}): {alarms} false alarms; ", end="")
+    print(f"{misses} mutant misses of {pairs} (mutant, config) pairs")
+    return 1 if alarms or misses else 0
 
 
 if __name__ == "__main__":
