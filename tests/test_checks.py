@@ -269,3 +269,31 @@ def test_every_declared_only_check_has_a_hint_and_a_mutant_or_a_declared_run():
     assert checks.DECLARED_ONLY.issubset(checks.HINTS)
     caught = {check for check, _ in MENU_CAUGHT_BY.values()}
     assert checks.DECLARED_ONLY - caught <= {"entropy.values"}  # a real model's entropy
+
+
+def blame_table(model, batch) -> list[tuple[str, str, list[str]]]:
+    """(mutant, its check, the failing checks in blame order) for every mutant of the
+    seed's functions and of the menu's, each under the objective that declares its option."""
+    rows = [(m, c, {}) for m, c in CAUGHT_BY.items()]
+    rows += [(m, c, o) for m, (c, o) in MENU_CAUGHT_BY.items()]
+    table = []
+    for mutant, check, overrides in sorted(rows):
+        impl = load_impl(MUTANTS / f"{mutant}.py")
+        results = checks.run_checks(model, batch, declared(overrides), impl=impl)
+        failing = [r.id for r in checks.blamed(results) if r.id != "rewards.variance"]
+        table.append((mutant, check, failing))
+    return table
+
+
+def test_each_mutant_is_blamed_on_its_own_check_first(model_and_batch):
+    wrong = [(m, c, f) for m, c, f in blame_table(*model_and_batch) if f[:1] != [c]]
+    assert not wrong
+
+
+if __name__ == "__main__":  # the blame table: which checks each known bug fails
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    for mutant, check, failing in blame_table(*model_and_batch.__wrapped__()):
+        mark = "" if failing[:1] == [check] else "   <- not first"
+        print(f"{mutant:30s} {check:30s} {', '.join(failing)}{mark}")

@@ -519,12 +519,20 @@ DESIGNED_REWARDS = (
 DESIGNED_LENGTHS = (3.0, 1, 5, 2, 4, 4, 1, 6, 2, 2, 3, 3, 1, 5, 2, 4)  # completion tokens
 
 
+def _group_preserving_permutation(B: int, G: int) -> torch.Tensor:
+    """[B] indices: the groups of G contiguous samples in another order (reversed), and the
+    samples inside group k rotated by k + 1, so that no reading of the groups but the
+    contiguous one (an interleaved view(G, -1) mixes them) keeps its groups."""
+    groups = torch.arange(B).view(-1, G).flip(0)
+    return torch.stack([g.roll(k + 1) for k, g in enumerate(groups)]).flatten()
+
+
 def advantage_ids(o: Objective) -> tuple[str, ...]:
     """The advantage checks for the declared objective, in the order they run."""
-    ids = ["advantages.group_sums"]
+    ids = ["advantages.contiguous", "advantages.group_sums"]
     if o.advantage_estimator == "grpo":
         ids.append(f"advantages.{o.advantage_std}_std")
-    ids += ["advantages.zero_std_groups", "advantages.contiguous"]
+    ids += ["advantages.zero_std_groups"]
     if o.advantage_estimator != "grpo":
         ids.append("advantages.estimator")
     return tuple(ids)
@@ -544,6 +552,20 @@ def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSet
     adv = advantages(designed, 4, designed_lengths)
     ref = _reference_advantages(designed, 4, o, designed_lengths)
     ref_real = _reference_advantages(batch.rewards, G, o, lengths)
+
+    # The layout, whatever the convention: the samples of a group contiguous, so that
+    # reordering the groups, and the samples inside each group, reorders the advantages alike.
+    perm = _group_preserving_permutation(designed.numel(), 4)
+    gap = _max_abs(advantages(designed[perm], 4, designed_lengths[perm]) - adv[perm])
+    yield _result(
+        "advantages.contiguous",
+        2,
+        "max |adv(reordered) - adv reordered|, groups and the samples inside each reordered "
+        "(group i = samples [i*G, (i+1)*G))",
+        gap,
+        "<= 1e-6",
+        gap <= 1e-6,
+    )
 
     sums = max(
         _max_abs(real.view(-1, G).sum(1) - ref_real.view(-1, G).sum(1)),
@@ -599,23 +621,6 @@ def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSet
         ok,
     )
 
-    layout = torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 0], dtype=torch.float64)
-    layout_lengths = designed_lengths[:12]
-    gap = max(
-        _max_abs(
-            advantages(layout, 4, layout_lengths)
-            - _reference_advantages(layout, 4, o, layout_lengths)
-        ),
-        _max_abs(adv - ref),
-    )
-    yield _result(
-        "advantages.contiguous",
-        2,
-        "max |adv - reference| with group i = samples [i*G, (i+1)*G)",
-        gap,
-        "<= 1e-3",
-        gap <= 1e-3,
-    )
     if o.advantage_estimator != "grpo":
         gap = _max_abs(adv - ref)
         yield _result(
@@ -803,18 +808,28 @@ def check_clip(impl: CoreFunctions, s: PreflightSettings):
         impl, o, logp_new, logp_old, adv, mask
     )
     valid = mask.bool()
-    gap = _max_abs((per_token.double() - ref)[valid])
+    # Tokens whose ratio lies between the two bounds: clipped or not depends on which eps is
+    # applied on which side. clip.asymmetric judges them; the other checks judge the rest,
+    # whose treatment no assignment of the two eps changes (so each measures its own thing).
+    r = torch.exp(logp_new.double() - logp_old.double())  # [4, 8]
+    small, large = sorted((o.epsilon, o.epsilon_high))
+    between = valid & (
+        ((r >= 1 - large) & (r <= 1 - small)) | ((r >= 1 + small) & (r <= 1 + large))
+    )
+    outside = valid & ~between
+    gap = _max_abs((per_token.double() - ref)[outside])
     yield _result(
         "clip.values",
         4,
-        "max |per_token - (-min(r*A, clip(r)*A))| on a perturbed policy, both signs of A",
+        "max |per_token - (-min(r*A, clip(r)*A))| on a perturbed policy, both signs of A "
+        "(ratios off the band between the two bounds)",
         gap,
         "<= 1e-5",
         gap <= 1e-5,
     )
-    zero = valid & (ref_grad == 0)  # where the declared loss is flat: the clip is active
+    zero = outside & (ref_grad == 0)  # where the declared loss is flat: the clip is active
     clipped_grad = _max_abs(grad[zero])
-    live = valid & ~zero
+    live = outside & ~zero
     min_live = grad[live].abs().min().item() if live.any() else 1.0
     yield _result(
         "clip.gradient",
@@ -824,12 +839,7 @@ def check_clip(impl: CoreFunctions, s: PreflightSettings):
         "== 0 on clipped, != 0 elsewhere",
         clipped_grad == 0.0 and min_live > 0,
     )
-    # Tokens whose ratio lies between the two bounds: clipped or not depends on which eps is
-    # applied on which side.
-    probe = torch.zeros_like(valid)
-    probe[:, 6:] = True
-    probe &= valid
-    mismatch = int(((per_token.double() - ref).abs() > 1e-5)[probe].sum())
+    mismatch = int(((per_token.double() - ref).abs() > 1e-5)[between].sum())
     yield _result(
         "clip.asymmetric",
         4,
@@ -1694,6 +1704,42 @@ def run_checks(
             results += guarded(impl, menu, 0, check_menu, impl, model, batch, s)
         results += list(check_rewards(batch))
     return results
+
+
+# Blame: when several checks fail together, the one that pins the cause is named first. A
+# check here moves just ahead of the broader one that the same bug also fails (a dual clip on
+# both signs changes clip.values too; a flipped sign changes norm.aggregation's loss too),
+# the more specific first among those moved ahead of the same check.
+BLAMED_BEFORE = {
+    "gspo.ratio": "clip.values",
+    "gspo.length_weighting": "ratio.initial",
+    "cispo.gradient": "clip.values",
+    "clip.dual_clip": "clip.values",
+    "clip.delta": "clip.values",
+    "entropy.bonus": "ratio.initial",
+    "loss.masked_nan": "loss.metrics",
+    "loss.sgd_direction": "norm.aggregation",
+    "clip.asymmetric": "clip.values",
+}
+# ... unless this check fails too: a clip that acts where it should off the band between the
+# two bounds (clip.gradient passes) with wrong values has its bounds misplaced (asymmetric);
+# one that acts in the wrong places is wrong in its values first (min for max).
+UNLESS_FAILING = {"clip.asymmetric": "clip.gradient"}
+
+
+def blamed(results: list[CheckResult]) -> list[CheckResult]:
+    """The failed checks, the likely cause first: run order, with BLAMED_BEFORE's moves."""
+    position = {r.id: i for i, r in enumerate(results)}
+    failed = {r.id for r in results if not r.passed}
+    moved = list(BLAMED_BEFORE)
+
+    def key(r: CheckResult) -> tuple[int, int]:
+        ahead_of = BLAMED_BEFORE.get(r.id)
+        if ahead_of in position and UNLESS_FAILING.get(r.id) not in failed:
+            return position[ahead_of], moved.index(r.id) - len(moved)
+        return position[r.id], 0
+
+    return sorted((r for r in results if not r.passed), key=key)
 
 
 def goal_status(results: list[CheckResult]) -> dict[int, bool]:

@@ -514,12 +514,11 @@ def print_results(results: list[CheckResult], console: Console, impl: CoreFuncti
     replaced = [f for f, src in impl.source.items() if src != "grpolab"]
     title = "grpolab preflight" + (f" of {impl.path} ({', '.join(replaced)})" if impl.path else "")
     console.print(results_table(results, title))
-    for r in results:
-        if not r.passed:
-            detail = escape(f"{r.id}: {r.error or r.what} = {_shown(r.measured)}")
-            console.print(f"[red]FAIL[/red] {detail}")
-            if r.hint:
-                console.print(f"     likely bug: {escape(r.hint)}")
+    for r in checks.blamed(results):  # the likely cause first
+        detail = escape(f"{r.id}: {r.error or r.what} = {_shown(r.measured)}")
+        console.print(f"[red]FAIL[/red] {detail}")
+        if r.hint:
+            console.print(f"     likely bug: {escape(r.hint)}")
     n_failed = sum(not r.passed for r in results)
     verdict = "[green]all checks pass" if not n_failed else f"[red]{n_failed} check(s) failed"
     console.print(f"{verdict} ({len(results)} checks)")
@@ -561,7 +560,7 @@ def preflight_gate(run: Run, console: Console, skip: bool = False) -> str:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         results = run_preflight(run, progress)
     record = results_json(results, run.functions) + "\n"
-    failed = [r for r in results if not r.passed]
+    failed = checks.blamed(results)  # the likely cause first
     if failed:
         print_results(results, console, run.functions)
         fd, details = tempfile.mkstemp(prefix="grpolab-preflight-", suffix=".json")

@@ -260,9 +260,8 @@ class GoalResult:
 
     @property
     def headline(self) -> CheckResult | None:
-        """The check to quote: the first failing one, else the first."""
-        failing = [r for r in self.checks if not r.passed]
-        return (failing or self.checks or [None])[0]
+        """The check to quote: the likely cause among the failing ones, else the first."""
+        return (checks.blamed(self.checks) or self.checks or [None])[0]
 
     def to_json(self) -> dict:
         return {
