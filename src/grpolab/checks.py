@@ -1547,10 +1547,16 @@ def check_reward_probes(report: ProbeReport):
     (grpolab.rewards.probes: what each kind of reward can be asked)."""
     rows = len(report.rows)
     checking = report.answer_checking()
-    others = [n for n in report.values if n not in checking]
+    others = [n for n in report.ruled() if n not in checking]
     about = f"{rows} rows; answer-checking: {', '.join(checking) or 'none'}"
     if others:
         about += f"; not answer-checking (probed for the first demand only): {', '.join(others)}"
+    for name in report.learned:
+        right, compared = report.preferences(name)
+        about += (
+            f"; learned, reported and held to no demand: {name} prefers the reference to a "
+            f"wrong answer on {right} of {compared} rows"
+        )
     if report.not_probed:
         about += f"; not probed (need token ids): {', '.join(report.not_probed)}"
     for id, findings, breach in (

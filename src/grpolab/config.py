@@ -879,7 +879,8 @@ def validate_world(cfg: Config, world: int) -> None:
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain data; a reward function given as a callable (the Python API) is
-    recorded by its qualified name, "module:qualname", the syntax rewards.functions reads."""
+    recorded by its qualified name, "module:qualname", the syntax rewards.functions reads, and
+    a reward model by its directory or hub id."""
     tree = dataclasses.asdict(cfg)
     rewards = tree.get("rewards")
     if isinstance(rewards, dict):
@@ -888,6 +889,9 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def _function_name(ref: Any) -> Any:
+    source = getattr(ref, "source", None) if getattr(ref, "learned", False) else None
+    if isinstance(source, str):  # a reward model: its directory or hub id
+        return source
     if not callable(ref):
         return ref
     name = getattr(ref, "__qualname__", type(ref).__qualname__)

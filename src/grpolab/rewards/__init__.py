@@ -39,6 +39,7 @@ from grpolab.rewards.functions import (
     resolve_function,
 )
 from grpolab.rewards.judge import remote
+from grpolab.rewards.model import RewardModel, is_model_reference, model_display_name
 from grpolab.rollout.base import Rollout
 from grpolab.rollout.episodes import episode_metrics
 from grpolab.tasks.base import Example, Task, TaskConfig
@@ -49,7 +50,8 @@ class RewardsConfig:
     """The `rewards` config section (TRL: reward_funcs / reward_weights)."""
 
     # Built-in names (accuracy, format, overlong), "package.module:function" or
-    # "path/to/file.py:function" with the signature f(completions, **columns) -> list.
+    # "path/to/file.py:function" with the signature f(completions, **columns) -> list, or a
+    # sequence-classification reward model: a directory or a hub id (rewards.model).
     functions: list[str] = field(default_factory=lambda: ["accuracy"])
     weights: list[float] | None = None  # one per function; None = all 1.0
     timeout: float | None = 30.0  # seconds per call of a user function; None = no limit
@@ -130,8 +132,12 @@ def load_rewards(
                 "format": lambda: make_format(cfg.format_pattern),
                 "overlong": lambda: make_overlong(max_completion_length, cfg.overlong_buffer),
             }[ref]()
+        elif isinstance(ref, torch.nn.Module):  # a loaded reward model (the Python API)
+            fn = RewardModel(ref)
         elif callable(ref):
             fn = ref
+        elif isinstance(ref, str) and is_model_reference(ref):
+            fn = RewardModel(ref)
         elif isinstance(ref, str):
             fn = resolve_function(ref)
         else:
@@ -149,6 +155,7 @@ def load_rewards(
                 fallback=float(cfg.fallback),
                 threaded=not builtin,
                 needs_token_ids=ref == "overlong",
+                learned=getattr(fn, "learned", False),
             )
         )
     return out
@@ -164,9 +171,13 @@ def _task_judge(task: Task | TaskConfig | str | None) -> tuple[str | None, str |
 
 
 def _display(ref: str | Callable[..., Any]) -> str:
+    if isinstance(ref, torch.nn.Module):
+        return model_display_name(str(getattr(ref, "name_or_path", "") or type(ref).__name__))
     if callable(ref):
         return getattr(ref, "__name__", type(ref).__name__)
-    return ref.rpartition(":")[2] if ":" in ref else ref
+    if ":" in ref:
+        return ref.rpartition(":")[2]
+    return model_display_name(ref) if is_model_reference(ref) else ref
 
 
 def score(
@@ -329,6 +340,7 @@ __all__ = [
     "BUILTIN_REWARDS",
     "RewardCallError",
     "RewardFunction",
+    "RewardModel",
     "RewardResult",
     "Rewards",
     "RewardsConfig",

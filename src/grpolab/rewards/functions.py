@@ -1,7 +1,8 @@
 """Resolving reward names to functions, and calling one function safely.
 
-A reward is a built-in name (accuracy, format, overlong), "package.module:function", or
-"path/to/file.py:function"; the function is called as TRL calls it, by keyword:
+A reward is a built-in name (accuracy, format, overlong), "package.module:function",
+"path/to/file.py:function", or a reward model (rewards.model: a directory or a hub id); the
+function is called as TRL calls it, by keyword:
 f(completions=..., prompts=..., completion_ids=..., answer=..., **other_columns) ->
 list[float | None] (None: the reward does not apply to that sample), so both
 f(completions, **columns) and TRL's f(prompts, completions, **kwargs) work.
@@ -44,6 +45,7 @@ class RewardFunction:
     fallback: float = 0.0  # the value of a sample whose reward could not be computed
     threaded: bool = True  # run in a worker thread under `timeout`
     needs_token_ids: bool = False
+    learned: bool = False  # a reward model: the probes report it and hold it to no demand
     # The first failure of the latest call that failed, one line ("KeyError: 'solution'"):
     # what a stop or a check names.
     last_error: str | None = field(default=None, repr=False)
@@ -136,8 +138,9 @@ def resolve_function(ref: str) -> Callable[..., Any]:
     target, sep, attr = ref.rpartition(":")
     if not sep or not target or not attr:
         raise ValueError(
-            f"unknown reward {ref!r}: not a built-in ({', '.join(BUILTIN_REWARDS)}) and not "
-            "'package.module:function' or 'path/to/file.py:function'"
+            f"unknown reward {ref!r}: not a built-in ({', '.join(BUILTIN_REWARDS)}), not "
+            "'package.module:function' or 'path/to/file.py:function', and not a reward "
+            "model's directory or hub id ('org/name')"
         )
     if target.endswith(".py"):
         module = _load_file(target)

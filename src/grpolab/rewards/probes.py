@@ -26,6 +26,9 @@ function can honestly be asked depends on what it rewards:
   the others       format, length or style rewards, which give a right and a wrong answer the
                    same value on every row: they do not claim to check answers, so only the
                    first demand holds for them
+  learned          a reward model (rewards.model) is scored on every probe and its ranking
+                   reported (the rows where it prefers the reference to a wrong answer), but
+                   held to no demand: a learned preference is not a rule
 
 A probe whose final answer is the reference by the strict check (grpolab.strict, judging the
 task's answer kind: a prompt that ends with its own answer) does answer the row and is left out.
@@ -100,11 +103,17 @@ class ProbeReport:
     errors: dict[str, int]  # function -> probes that got the fallback
     not_probed: list[str] = field(default_factory=list)  # needs token ids, no tokenizer given
     error_texts: dict[str, str] = field(default_factory=dict)  # function -> its last failure
+    learned: list[str] = field(default_factory=list)  # reward models: reported, no demand
+
+    def ruled(self) -> list[str]:
+        """The functions held to the probes' demands: all but the learned ones."""
+        return [name for name in self.values if name not in self.learned]
 
     def answer_checking(self) -> list[str]:
         """The functions that score the reference above the wrong answer on some row."""
         out = []
-        for name, values in self.values.items():
+        for name in self.ruled():
+            values = self.values[name]
             for row in range(len(self.rows)):
                 top, _ = self._best(values, row, ("reference",))
                 wrong, _ = self._best(values, row, ("wrong",))
@@ -116,7 +125,10 @@ class ProbeReport:
     def reward_scale(self) -> tuple[float, float] | None:
         """(wrong, right): the mean over rows of the total reward of the best-scoring wrong
         answer and of the best-scoring reference writing. None when the total does not tell
-        them apart (then no fraction of "rewarded as right" can be read from the reward)."""
+        them apart (then no fraction of "rewarded as right" can be read from the reward), or
+        when a learned reward is part of it (its scale on the probes is no rule)."""
+        if self.learned:
+            return None
         total = list(self.total)
         pairs = [
             (self._best(total, row, ("wrong",))[0], self._best(total, row, ("reference",))[0])
@@ -128,6 +140,18 @@ class ProbeReport:
         wrong = sum(w for w, _ in pairs) / len(pairs)
         right = sum(r for _, r in pairs) / len(pairs)
         return (wrong, right) if right > wrong + _tol(right, wrong) else None
+
+    def preferences(self, name: str) -> tuple[int, int]:
+        """(rows where `name` scores the reference's best writing above every wrong answer,
+        rows with both): how a learned reward ranks what the probes know."""
+        values, right, rows = self.values[name], 0, 0
+        for row in range(len(self.rows)):
+            top, _ = self._best(values, row, ("reference",))
+            wrong, _ = self._best(values, row, ("wrong",))
+            if top is not None and wrong is not None:
+                rows += 1
+                right += top > wrong + _tol(top, wrong)
+        return right, rows
 
     def _best(self, values, row: int, kinds: tuple[str, ...]) -> tuple[float | None, int | None]:
         """The highest value among the row's probes of `kinds`, and that probe's position."""
@@ -164,7 +188,7 @@ class ProbeReport:
 
 def reference_findings(report: ProbeReport) -> list[Finding]:
     """Every function: a probe of a row that scores above the reference's best writing."""
-    return report._findings(list(report.values), ("wrong", "echo", "restated"), strict=False)
+    return report._findings(report.ruled(), ("wrong", "echo", "restated"), strict=False)
 
 
 def wrong_findings(report: ProbeReport) -> list[Finding]:
@@ -285,7 +309,14 @@ def run_probes(
         for name, t in result.per_function.items()
     }
     return ProbeReport(
-        rows, probes, values, result.total.tolist(), result.errors, not_probed, result.error_texts
+        rows,
+        probes,
+        values,
+        result.total.tolist(),
+        result.errors,
+        not_probed,
+        result.error_texts,
+        learned=[fn.name for fn in probed if fn.learned],
     )
 
 
