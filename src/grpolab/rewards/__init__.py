@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from grpolab.conversation import Conversation
 from grpolab.rewards.builtin import (
     ACCURACY_MODES,
     DEFAULT_FORMAT_PATTERN,
@@ -156,6 +157,7 @@ def load_rewards(
                 threaded=not builtin,
                 needs_token_ids=ref == "overlong",
                 learned=getattr(fn, "learned", False),
+                reads_messages=not builtin,
             )
         )
     return out
@@ -215,7 +217,13 @@ def score(
     columns: dict[str, list] = {}
     for key in dict.fromkeys(k for ex in per_sample for k in ex.columns):
         columns[key] = [ex.columns.get(key) for ex in per_sample]
-    columns["prompt"] = [ex.prompt for ex in per_sample]
+    # A conversational prompt reaches the functions as its messages, and then so does each
+    # completion, as one assistant message (TRL's convention); the built-ins read text.
+    conversational = any(isinstance(ex.prompt, Conversation) for ex in per_sample)
+    columns["prompt"] = [
+        ex.prompt.as_list() if isinstance(ex.prompt, Conversation) else ex.prompt
+        for ex in per_sample
+    ]
     columns["prompts"] = columns["prompt"]  # TRL's name
     columns["answer"] = [ex.answer for ex in per_sample]
     if rollout is not None:
@@ -232,9 +240,11 @@ def score(
     errors: dict[str, int] = {}
     metrics: dict[str, float] = {}
     error_texts: dict[str, str] = {}
+    as_messages = [[{"role": "assistant", "content": c}] for c in completions]
     for fn in rewards:
         fn.last_error = None
-        values, n_errors = fn(completions, columns)
+        texts = as_messages if conversational and fn.reads_messages else completions
+        values, n_errors = fn(texts, columns)
         if n_errors:
             error_texts[fn.name] = fn.last_error or "failed"
         t = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)

@@ -46,13 +46,16 @@ class RewardFunction:
     threaded: bool = True  # run in a worker thread under `timeout`
     needs_token_ids: bool = False
     learned: bool = False  # a reward model: the probes report it and hold it to no demand
+    # With conversational prompts: called with each completion as [{"role": "assistant",
+    # "content": ...}] (TRL's form); the built-ins read the text.
+    reads_messages: bool = True
     # The first failure of the latest call that failed, one line ("KeyError: 'solution'"):
     # what a stop or a check names.
     last_error: str | None = field(default=None, repr=False)
     _logged: bool = field(default=False, repr=False)
     _late: threading.Thread | None = field(default=None, repr=False)
 
-    def __call__(self, completions: list[str], columns: dict[str, list]) -> tuple[list, int]:
+    def __call__(self, completions: list, columns: dict[str, list]) -> tuple[list, int]:
         """(values, error count): values[i] is a finite float, None (not applicable), or the
         fallback where the function failed for sample i."""
         n = len(completions)

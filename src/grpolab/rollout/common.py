@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from grpolab.conversation import Conversation
 from grpolab.rollout.base import Rollout, SamplingParams
 
 
@@ -58,16 +59,26 @@ def render_prompt(
 ) -> str:
     """The text the model sees: the prompt itself, or the chat template's rendering of it as
     the user turn (with a system turn first when system_prompt is set, and the tools' JSON
-    schemas through the template's `tools=` when given)."""
-    if not chat_template:
+    schemas through the template's `tools=` when given). A Conversation (a conversational
+    prompt) is always rendered through the template, as TRL does, with system_prompt first
+    unless it has a system turn of its own."""
+    conversation = isinstance(prompt, Conversation)
+    if not chat_template and not conversation:
         return prompt
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "task.chat_template is true but the tokenizer has no chat_template; "
             "set task.chat_template=false or use a chat model's tokenizer"
+            if not conversation
+            else "the task's prompts are conversations (lists of messages) but the tokenizer "
+            "has no chat_template to render them: use a chat model's tokenizer, or text prompts"
         )
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": prompt})
+    if conversation:
+        turns = prompt.as_list()
+        messages = turns if turns[0]["role"] == "system" else messages + turns
+    else:
+        messages.append({"role": "user", "content": prompt})
     extra = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True, **extra

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from grpolab.conversation import Conversation, is_conversation
 from grpolab.tasks.base import Example, Task, TaskConfig
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -111,8 +112,21 @@ def _example(
         if name not in row:
             raise ValueError(f"{where}: no field {name!r} (fields: {', '.join(map(str, row))})")
     prompt, answer = row[prompt_field], row[answer_field]
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"{where}: field {prompt_field!r} is empty or not text: {prompt!r}")
+    if is_conversation(prompt):  # TRL's conversational form, rendered by the chat template
+        try:
+            conversation = Conversation(prompt)
+        except ValueError as e:
+            raise ValueError(f"{where}: field {prompt_field!r}: {e}") from None
+        if template != "{prompt}":
+            raise ValueError(
+                f"{where}: field {prompt_field!r} is a conversation (a list of messages), used "
+                f"as written: task.prompt_template={template!r} applies to text prompts only"
+            )
+    elif not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(
+            f"{where}: field {prompt_field!r} is empty or neither text nor a list of "
+            f"{{'role', 'content'}} messages: {_short(prompt)}"
+        )
     if answer is None or (isinstance(answer, str) and not answer.strip()):
         raise ValueError(f"{where}: field {answer_field!r} is empty: {answer!r}")
     columns = dict(row)
@@ -124,6 +138,8 @@ def _example(
             )
         columns["solution"] = answer
         answer = match.group(1).replace(",", "")
+    if is_conversation(prompt):
+        return Example(prompt=conversation, answer=str(answer).strip(), columns=columns)
     try:
         text = template.format_map({**row, "prompt": prompt})
     except (KeyError, IndexError, ValueError) as e:

@@ -1,0 +1,140 @@
+"""Conversational prompts (TRL's convention): a row's prompt is a list of {"role", "content"}
+messages, rendered through the chat template; reward functions get the messages as `prompts`
+and each completion as one assistant message; the built-ins read text."""
+
+import json
+import pickle
+
+import pytest
+
+from grpolab.config import load_config
+from grpolab.conversation import Conversation
+from grpolab.models import build_char_tokenizer, build_tiny_model, save_policy
+from grpolab.rewards import load_rewards, score
+from grpolab.rollout.common import render_prompt
+from grpolab.tasks import load_task
+from grpolab.tasks.base import Example, TaskConfig
+from grpolab.trainer import train
+
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+CAPITALS = {
+    "Spain": "Madrid", "France": "Paris", "Italy": "Rome", "Peru": "Lima",
+    "Chile": "Santiago", "Japan": "Tokyo", "Kenya": "Nairobi", "Egypt": "Cairo",
+}  # fmt: skip
+
+
+def conversational_rows() -> list[dict]:
+    return [
+        {
+            "prompt": [
+                {"role": "system", "content": "Answer with the city only."},
+                {"role": "user", "content": f"What is the capital of {country}?"},
+            ],
+            "answer": city,
+            "country": country,
+        }
+        for country, city in CAPITALS.items()
+    ]
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_list_of_messages_is_a_conversation(tmp_path):
+    path = write_rows(tmp_path / "rows.jsonl", conversational_rows())
+    task = load_task(TaskConfig(name="jsonl", path=str(path), num_eval=2))
+    prompt = task.train[0].prompt
+    assert isinstance(prompt, Conversation)
+    assert prompt.messages[0] == {"role": "system", "content": "Answer with the city only."}
+    assert str(prompt).endswith("?") and "Answer with the city only." in prompt
+    assert task.answer_kind == "string"
+    assert pickle.loads(pickle.dumps(prompt)).messages == prompt.messages
+
+
+def test_a_bad_message_names_its_row(tmp_path):
+    rows = conversational_rows()
+    rows[3]["prompt"][1] = {"role": "human", "content": "hi"}
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(ValueError, match=r"line 4: field 'prompt': message 1 has role 'human'"):
+        load_task(TaskConfig(name="jsonl", path=str(path), num_eval=2))
+    path = write_rows(tmp_path / "ok.jsonl", conversational_rows())
+    with pytest.raises(ValueError, match="applies to text prompts only"):
+        load_task(
+            TaskConfig(name="jsonl", path=str(path), num_eval=2, prompt_template="Q: {prompt}")
+        )
+
+
+def test_a_conversation_is_rendered_by_the_template_always():
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    user_only = Conversation([{"role": "user", "content": "q"}])
+    assert render_prompt(tokenizer, user_only) == "<user>q\n<assistant>"
+    # the task's system prompt comes first unless the conversation has its own
+    assert render_prompt(tokenizer, user_only, True, "s") == "<system>s\n<user>q\n<assistant>"
+    own = Conversation([{"role": "system", "content": "mine"}, {"role": "user", "content": "q"}])
+    assert render_prompt(tokenizer, own, True, "s") == "<system>mine\n<user>q\n<assistant>"
+    with pytest.raises(ValueError, match="no chat_template to render them"):
+        render_prompt(build_char_tokenizer(), user_only)
+
+
+def test_user_rewards_get_messages_and_the_builtins_text():
+    seen = {}
+
+    def mine(prompts, completions, **kwargs):
+        seen["prompts"], seen["completions"] = prompts, completions
+        return [1.0 if c[0]["content"].strip() == "Paris" else 0.0 for c in completions]
+
+    prompt = Conversation([{"role": "user", "content": "What is the capital of France?"}])
+    rewards = load_rewards(["accuracy", mine], task=None)
+    result = score(["Paris", "Rome"], [Example(prompt, "Paris")], rewards, num_generations=2)
+    assert seen["prompts"][0] == [{"role": "user", "content": "What is the capital of France?"}]
+    assert seen["completions"] == [[{"role": "assistant", "content": "Paris"}],
+                                   [{"role": "assistant", "content": "Rome"}]]  # fmt: skip
+    assert result.per_function["mine"].tolist() == [1.0, 0.0]
+    assert result.per_function["accuracy"].tolist() == [1.0, 0.0]
+
+
+def test_training_on_conversations(tmp_path):
+    """A chat model (tiny, with a template) trains on conversational rows; the rollout's
+    prompts are the template's rendering and every reward call gets messages."""
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    save_policy(build_tiny_model(tokenizer), tokenizer, tmp_path / "model")
+    path = write_rows(tmp_path / "rows.jsonl", conversational_rows())
+    calls = []
+
+    def city_letters(prompts, completions, answer, country, **kwargs):
+        calls.append((prompts, completions, country))
+        return [float(sum(ch in c[0]["content"] for ch in a)) for c, a in
+                zip(completions, answer, strict=True)]  # fmt: skip
+
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"model.name_or_path={tmp_path / 'model'}",
+            "task.name=jsonl",
+            f"task.path={path}",
+            "task.num_eval=2",
+            "max_steps=2",
+            "trainer.prompts_per_step=2",
+            "trainer.num_generations=4",
+            "trainer.eval_examples=0",
+            "trainer.log_completions_steps=1",
+            "rollout.max_completion_length=8",
+        ],
+    )
+    cfg.rewards.functions = ["accuracy", city_letters]
+    train(cfg, skip_preflight=True)
+    assert len(calls) >= 2  # the two steps (and the probes that read the reward's scale)
+    for prompts, completions, countries in calls:
+        assert prompts[0][0] == {"role": "system", "content": "Answer with the city only."}
+        assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in completions)
+        assert countries[0] in CAPITALS
+    logged = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").open()]
+    assert any("What is the capital of" in r["prompt"] for r in logged)
