@@ -420,6 +420,9 @@ def check_logprobs(impl: CoreFunctions, model, batch: PreflightBatch, s: Preflig
             plain_gaps.append(abs(plain[i][comp[i]].double().mean().item() - exact))
             loss_gaps.append(abs(ce + exact))
     shift_gap, plain_gap, loss_gap = max(gaps), max(plain_gaps), max(loss_gaps)
+    # Its own distance from float64 at T = 1: what its logits path (the fused lm-head's
+    # chunks round differently from the model's head) costs before any temperature.
+    own_gap = _max_abs((logp.double() - reference)[comp])
     tol = precision_tolerance(plain_gap, largest, torch.float32) + loss_gap
     yield _result(
         "logprobs.shift",
@@ -460,13 +463,16 @@ def check_logprobs(impl: CoreFunctions, model, batch: PreflightBatch, s: Preflig
     reference, plain = _reference_logprobs(model, batch, temperature)
     gap = _max_abs((logp_t.double() - reference)[comp])
     plain_gap = _max_abs((plain.double() - reference)[comp])
-    tol = precision_tolerance(plain_gap, _max_abs(reference[comp]), torch.float32)
+    # The logits' rounding is divided by T with them: at T its share of the gap is the gap at
+    # T = 1 over T. A missing or misapplied temperature is wrong in the first digit.
+    baseline = max(plain_gap, own_gap / temperature)
+    tol = precision_tolerance(baseline, _max_abs(reference[comp]), torch.float32)
     yield _result(
         "logprobs.temperature",
         1,
-        f"max gap to softmax(logits / {temperature:g}) in float64",
+        f"max gap to softmax(logits / {temperature:g}) in float64 (at T = 1: {own_gap:.1e})",
         gap,
-        tolerance_text(tol, plain_gap, "float32 log-softmax"),
+        tolerance_text(tol, baseline, "max(float32 log-softmax, its own gap at T = 1 / T)"),
         gap <= tol,
     )
 
