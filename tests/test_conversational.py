@@ -138,3 +138,37 @@ def test_training_on_conversations(tmp_path):
         assert countries[0] in CAPITALS
     logged = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").open()]
     assert any("What is the capital of" in r["prompt"] for r in logged)
+
+
+def test_a_task_without_references_trains_on_its_rewards(tmp_path):
+    """Rows with neither 'answer' nor 'solution': the rewards alone judge. The accuracy reward
+    is refused, named; nothing is held out; the preflight passes without the reward probes;
+    no accuracy is logged (there is nothing to be right about)."""
+    rows = [{"prompt": f"{a}+1=", "target_len": 2} for a in range(10, 60)]
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    task = load_task(TaskConfig(name="jsonl", path=str(path)))
+    assert not task.has_references and task.eval == [] and len(task.train) == 50
+    assert "no reference answers" in task.describe_split()
+    with pytest.raises(ValueError, match="'accuracy' reward needs reference answers"):
+        load_rewards(["accuracy"], task=task)
+
+    def near_two(completions, target_len, **kwargs):
+        return [-abs(len(c) - t) for c, t in zip(completions, target_len, strict=True)]
+
+    run = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [f"output_dir={run}", "task.name=jsonl", f"task.path={path}", "max_steps=2"],
+    )
+    cfg.rewards.functions = [near_two]
+    summary = train(cfg)  # the preflight runs and passes
+    assert summary["steps"] == 2 and summary["accuracy_before"] is None
+    assert json.loads((run / "preflight.json").read_text())["passed"]
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert all("rewards/near_two/mean" in s and "strict_accuracy" not in s for s in steps)
+
+
+def test_the_reference_may_be_in_solution(tmp_path):
+    rows = [{"prompt": f"{a}+1=", "solution": str(a + 1)} for a in range(10, 30)]
+    task = load_task(TaskConfig(name="jsonl", path=str(write_rows(tmp_path / "r.jsonl", rows))))
+    assert task.has_references and task.train[0].answer.isdigit()

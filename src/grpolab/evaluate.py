@@ -24,6 +24,8 @@ def accuracy_rewards(rewards_cfg: RewardsConfig | None, task) -> Rewards:
     """The accuracy reward alone (1 = correct), in the run's accuracy mode, judging `task`'s
     answer kind (a Task; a TaskConfig or a name as load_rewards reads them)."""
     mode = getattr(rewards_cfg, "accuracy_mode", "auto")
+    if not getattr(task, "has_references", True):
+        return Rewards()  # nothing to be right about
     return load_rewards(RewardsConfig(functions=["accuracy"], accuracy_mode=mode), task=task)
 
 

@@ -438,9 +438,13 @@ def run_preflight(run: Run, progress=None) -> list[CheckResult]:
     if getattr(run.engine, "episodes", None) is not None:
         say("the episode checks on probe episodes")
         results += episode_results(run, s)
-    say(f"the reward probes on real task rows ({', '.join(fn.name for fn in run.rewards)})")
-    report = probe_task(run.task, run.rewards, run.tokenizer)
-    results += list(checks.check_reward_probes(report))
+    if run.task.has_references:
+        say(f"the reward probes on real task rows ({', '.join(fn.name for fn in run.rewards)})")
+        report = probe_task(run.task, run.rewards, run.tokenizer)
+        results += list(checks.check_reward_probes(report))
+    else:  # right and wrong completions are written from the reference answers
+        say("the reward probes: not run (the task has no reference answers to write right "
+            "and wrong completions from)")  # fmt: skip
     with eval_mode(model, zero_grad=True):
         say("log-probs and gradients against a float64 copy of the model")
         model64 = float64_copy(model)  # both gradient checks' reference

@@ -42,8 +42,9 @@ class StepBatch:
     attention_mask: torch.Tensor  # [B, T]
     completion_mask: torch.Tensor  # [B, T]
     scores: RewardResult  # rewards per function, totals and their metrics
-    correct: torch.Tensor  # [B] bool: the accuracy reward is 1
-    strict: torch.Tensor  # [B] bool: the final answer as written is the reference (grpolab.strict)
+    # None where the task has no reference answers:
+    correct: torch.Tensor | None  # [B] bool: the accuracy reward is 1
+    strict: torch.Tensor | None  # [B] bool: the final answer as written is the reference
     advantages: torch.Tensor  # [B]: this rank's rows of the global batch's advantages
     adv_group_sum: float  # max |sum of a group's advantages| over the global batch: ~0
     engine_logprobs: torch.Tensor | None  # [B, T-1], the engine's own, when it reports them
@@ -150,10 +151,14 @@ def collect(run: Run, step: int) -> StepBatch:
         loss_rows = kept.view(-1) if loss_rows is None else loss_rows * kept.view(-1)
 
     tic = time.perf_counter()
-    correct = correct_answers(scores, rollout.completions, examples, run.rewards, run.accuracy)
-    answers = [e.answer for e in examples for _ in range(G)]
-    # The task's judge, in code independent of the rewards'.
-    strict = strict_correct(rollout.completions, answers, run.task.answer_kind)
+    correct = strict = None  # a task without references: the rewards alone judge
+    if run.task.has_references:
+        correct = correct_answers(
+            scores, rollout.completions, examples, run.rewards, run.accuracy
+        )
+        answers = [e.answer for e in examples for _ in range(G)]
+        # The task's judge, in code independent of the rewards'.
+        strict = strict_correct(rollout.completions, answers, run.task.answer_kind)
     # Advantages over the global batch ("batch" scaling needs every rank's rewards).
     all_rewards = dist_module.all_gather_cat(scores.total, d)  # [B_global]
     kwargs = core.accepted_kwargs(run.functions.group_advantages, o.advantage_kwargs())
@@ -526,8 +531,6 @@ def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, An
     losses, norms = stats.minibatch_losses, stats.grad_norms
     metrics: dict[str, Any] = {
         **batch.scores.metrics,  # reward/mean|std, rewards/<fn>/mean, zero-std groups, lengths
-        "accuracy": float(batch.correct.float().mean()),
-        "strict_accuracy": float(batch.strict.float().mean()),
         **{k: v / max(tokens, 1.0) for k, v in token_sums.items()},  # token-weighted means
         "loss": sum(losses) / len(losses),  # the loss each optimizer step saw
         "grad_norm": sum(norms) / len(norms) if norms else float("nan"),
@@ -536,7 +539,10 @@ def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, An
         "monitor/ratio_dev": stats.ratio_dev,
         "monitor/adv_group_sum": batch.adv_group_sum,
     }
-    if batch.rollout.turns is not None:  # right answers reached through a tool that worked
+    if batch.correct is not None:
+        metrics["accuracy"] = float(batch.correct.float().mean())
+        metrics["strict_accuracy"] = float(batch.strict.float().mean())
+    if batch.rollout.turns is not None and batch.correct is not None:  # right through a tool
         used = [any(t.role == "tool" and not t.error for t in ts) for ts in batch.rollout.turns]
         right = batch.correct.cpu() & torch.tensor(used, dtype=torch.bool)
         metrics["episode/correct_tool_use"] = float(right.float().mean())

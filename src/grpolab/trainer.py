@@ -584,6 +584,8 @@ def run_eval(
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
     task = load_task(cfg.task)
     held_out = task.eval[:examples] if examples else task.eval
+    if not task.has_references:
+        raise ValueError(f"task {cfg.task.name!r}: {task.split_reason}: nothing to evaluate")
     if not held_out:
         raise ValueError(f"task {cfg.task.name!r} has no held-out examples (task.num_eval)")
     engine = task_engine(cfg, model, tokenizer)

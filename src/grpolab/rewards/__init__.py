@@ -127,6 +127,12 @@ def load_rewards(
     seen: dict[str, int] = {}
     for ref, weight in zip(cfg.functions, weights, strict=True):
         builtin = isinstance(ref, str) and ref in BUILTIN_REWARDS
+        if ref == "accuracy" and isinstance(task, Task) and not task.has_references:
+            raise ValueError(
+                "the 'accuracy' reward needs reference answers, and the task's rows have none "
+                "(no 'answer' or 'solution' field; task.answer_field names another): name "
+                "the reward functions that judge them (rewards.functions, reward_funcs)"
+            )
         if builtin:
             fn = {
                 "accuracy": lambda: make_accuracy(cfg.accuracy_mode, task_name, kind),

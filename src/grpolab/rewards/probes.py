@@ -326,7 +326,10 @@ def probe_task(task: Task, rewards: Rewards, tokenizer=None) -> ProbeReport:
 
 
 def reward_scale(task: Task, rewards: Rewards, tokenizer=None) -> tuple[float, float] | None:
-    """(wrong, right) of the run's total reward on the probes of `task` (ProbeReport)."""
+    """(wrong, right) of the run's total reward on the probes of `task` (ProbeReport); None
+    for a task without reference answers (no probe can be written)."""
+    if not task.has_references:
+        return None
     return probe_task(task, rewards, tokenizer).reward_scale()
 
 

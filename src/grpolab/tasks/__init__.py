@@ -31,6 +31,8 @@ def answer_kind(cfg: TaskConfig, task: Task) -> tuple[str, str]:
     """The task's judge and why: declared (and fitting every reference), the arithmetic
     task's own (number), or inferred from the references."""
     splits = (("train", task.train), ("eval", task.eval))
+    if not task.has_references:
+        return cfg.answer_kind or "string", "no reference answers: nothing is judged by it"
     if cfg.answer_kind is not None:
         references = [
             (f"{split} row {i} ({_short(e.prompt)})", e.answer)

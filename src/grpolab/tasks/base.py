@@ -73,6 +73,9 @@ class Task:
     answer_kind: str = "number"
     answer_kind_reason: str = ""  # why: declared, or what the inference saw
     split_reason: str = ""  # where the held-out rows come from (describe_split)
+    # False: the rows have no reference answers (a file task with neither field): the
+    # rewards alone judge; no accuracy, strict check, held-out evaluation or reward probes.
+    has_references: bool = True
 
     def describe_split(self) -> str:
         """The line the commands print at start: how many rows train, how many are held out."""

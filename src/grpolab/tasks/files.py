@@ -31,9 +31,18 @@ def load_file_task(cfg: TaskConfig) -> Task:
             f"task.name={cfg.name!r} needs task.path (a .jsonl/.parquet file or a dataset id)"
         )
     rows = _read_rows(cfg.path, cfg.subset, cfg.split)
+    answer_field = _reference_field(cfg, rows, answer_field)
     examples = _examples(cfg, rows, prompt_field, answer_field, template)
     if not examples:
         raise ValueError(f"task.path={cfg.path!r} holds no rows")
+    if answer_field is None:  # nothing to hold out: an evaluation needs references
+        task = Task(name=cfg.name, train=examples[: cfg.num_train or None], eval=[], config=cfg)
+        task.has_references = False
+        task.split_reason = (
+            f"no row of {cfg.path} has an 'answer' or 'solution' field: no reference answers, "
+            "so nothing is held out and the rewards alone judge the completions"
+        )
+        return task
     if cfg.eval_path or cfg.eval_split:
         eval_rows = _read_rows(cfg.eval_path or cfg.path, cfg.subset, cfg.eval_split or cfg.split)
         eval_examples = _examples(cfg, eval_rows, prompt_field, answer_field, template)
@@ -65,6 +74,18 @@ def load_file_task(cfg: TaskConfig) -> Task:
     task = Task(name=cfg.name, train=train, eval=eval_examples, config=cfg)
     task.split_reason = why
     return task
+
+
+def _reference_field(cfg: TaskConfig, rows, default: str) -> str | None:
+    """The column holding the reference answers: task.answer_field when given; else the
+    task's default ('answer'), else 'solution' (TRL's math datasets), whichever the rows
+    have; None for a jsonl task whose rows have neither (a reward needs no reference)."""
+    if cfg.answer_field is not None or cfg.name != "jsonl":
+        return default
+    for name in (default, "solution"):
+        if any(name in row for _, row in rows):
+            return name
+    return None
 
 
 BAD_ROWS_SHOWN = 10  # a file with many bad rows: this many are named, then a count
@@ -109,9 +130,10 @@ def _example(
     template: str,
 ) -> Example:
     for name in (prompt_field, answer_field):
-        if name not in row:
+        if name is not None and name not in row:
             raise ValueError(f"{where}: no field {name!r} (fields: {', '.join(map(str, row))})")
-    prompt, answer = row[prompt_field], row[answer_field]
+    prompt = row[prompt_field]
+    answer = row[answer_field] if answer_field is not None else ""  # "": no reference
     if is_conversation(prompt):  # TRL's conversational form, rendered by the chat template
         try:
             conversation = Conversation(prompt)
@@ -127,7 +149,9 @@ def _example(
             f"{where}: field {prompt_field!r} is empty or neither text nor a list of "
             f"{{'role', 'content'}} messages: {_short(prompt)}"
         )
-    if answer is None or (isinstance(answer, str) and not answer.strip()):
+    if answer_field is not None and (
+        answer is None or (isinstance(answer, str) and not answer.strip())
+    ):
         raise ValueError(f"{where}: field {answer_field!r} is empty: {answer!r}")
     columns = dict(row)
     if cfg.name == "gsm8k":
