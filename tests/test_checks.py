@@ -154,8 +154,10 @@ def test_each_reward_mutant_fails_its_named_probe(mutant):
 
 def test_every_mutant_file_is_listed():
     from test_episodes import EPISODE_CAUGHT_BY  # the episode mutants, tested there
+    from test_skip_zero_advantage import SKIP_CAUGHT_BY  # the skipping's, tested there
 
     listed = set(CAUGHT_BY) | set(REWARD_CAUGHT_BY) | set(MENU_CAUGHT_BY) | set(EPISODE_CAUGHT_BY)
+    listed |= set(SKIP_CAUGHT_BY)
     assert {p.stem for p in MUTANTS.glob("*.py")} == listed
 
 

@@ -272,6 +272,7 @@ INERT_CASES = [
     ["trainer.tis_cap=2", "rollout.engine=vllm", "rollout.top_k=20"],
     ["trainer.shared_prefix=false", "trainer.logprobs=naive"],
     ["trainer.lora_alpha=32"],
+    ["trainer.skip_zero_advantage=false", "trainer.beta=0.04"],
     ["trainer.lora_dropout=0.1"],
     ["trainer.lora_target_modules=[q_proj]"],
     ["trainer.eval_steps=10", "trainer.eval_examples=0"],

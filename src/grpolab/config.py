@@ -119,6 +119,11 @@ class TrainerConfig:
     # fused: run each group's shared prompt through the model once, its G completions against
     # that prompt's keys and values (exact; checked against one forward per row at first use).
     shared_prefix: bool = True
+    # Rows whose advantage is exactly 0 (a group whose rewards are all equal, dynamic
+    # sampling's filler) or that are out of the loss add exactly 0 to the gradient when
+    # nothing else in the loss reads them (beta = 0, entropy_coef = 0): the update skips
+    # their forward and backward, the normaliser unchanged (`skips_zero_advantage`).
+    skip_zero_advantage: bool = True
     # Optimisation: one optimizer step per minibatch; each minibatch is accumulated over
     # gradient_accumulation_steps micro-batches.
     mini_batch_size: int | None = None  # sequences per optimizer step; None = the whole batch
@@ -706,6 +711,10 @@ ADVANTAGE_CAUSES = ("trainer.advantage_estimator", "trainer.scale_rewards",
 # Every key that some setting of others turns into a no-op. The keys not listed act in every
 # setup (see docs/ARCHITECTURE.md, "Keys without effect", for the ones left out and why).
 INERT = (
+    Inert(("trainer.skip_zero_advantage",), ("trainer.beta", "trainer.entropy_coef"),
+          lambda c: c.trainer.beta > 0 or c.trainer.entropy_coef > 0,
+          "with trainer.beta={c.trainer.beta:g}, trainer.entropy_coef={c.trainer.entropy_coef:g}: "
+          "the KL term and the entropy bonus read every row, so none is skipped"),
     Inert(VLLM_KEYS, ("rollout.engine",), lambda c: c.rollout.engine != "vllm",
           "with rollout.engine={c.rollout.engine}: it configures the vLLM engine"),
     Inert(("rollout.shared_prefill",), ("rollout.engine",), lambda c: c.rollout.engine == "vllm",
@@ -877,6 +886,14 @@ def validate_world(cfg: Config, world: int) -> None:
     )
 
 
+def skips_zero_advantage(cfg: Config, distributed: bool = False) -> bool:
+    """Whether the update skips the rows that add exactly 0 to the gradient: their advantage
+    is 0 or they are out of the loss, and no term reads them but A x (a function of the
+    ratio). Not under data parallel: every rank runs the same backward passes."""
+    t = cfg.trainer
+    return t.skip_zero_advantage and t.beta == 0 and t.entropy_coef == 0 and not distributed
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain data; a reward function given as a callable (the Python API) is
     recorded by its qualified name, "module:qualname", the syntax rewards.functions reads, and
@@ -915,6 +932,7 @@ RESUME_FREE_KEYS = (
     "trainer.torch_compile",
     "trainer.logprobs",
     "trainer.shared_prefix",
+    "trainer.skip_zero_advantage",
     "rollout.shared_prefill",
     "trainer.save_steps",
     "trainer.save_total_limit",

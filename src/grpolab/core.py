@@ -419,6 +419,20 @@ def micro_batch_scale(
     return micro_mask.shape[0] / max(total, 1.0)  # aggregate divides by all b_micro rows
 
 
+def rows_without_gradient(
+    advantages: torch.Tensor, loss_rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B] bool: the rows whose policy term is exactly 0 whatever the ratio: advantage
+    exactly 0 (every surrogate is A x a function of the ratio), or out of the loss. With no
+    other term reading them (beta = 0, no entropy bonus), skipping their forward and backward
+    leaves the gradient as it is, as long as each micro-batch's share is taken of the whole
+    minibatch's normaliser (`micro_batch_scale`). advantages, loss_rows: [B]."""
+    none = advantages == 0
+    if loss_rows is not None:
+        none = none | (loss_rows == 0)
+    return none
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `values` over positions where mask is set (0 when none is)."""
     masked = torch.where(mask.bool(), values, torch.zeros_like(values))

@@ -28,7 +28,7 @@ from rich.table import Table
 
 from grpolab import checks, core, seeds
 from grpolab.checks import CheckResult, PreflightBatch, PreflightSettings
-from grpolab.config import Config
+from grpolab.config import Config, skips_zero_advantage
 from grpolab.core import CoreFunctions
 from grpolab.coverage import check_tokenizer_coverage
 from grpolab.episode_checks import probe_episodes, run_episode_checks
@@ -266,6 +266,62 @@ def check_split_invariance(
     )
 
 
+def check_skip_invariance(
+    impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings, model64=None
+):
+    """The update that skips the rows without gradient (core.rows_without_gradient: a third
+    of the rows given advantage 0 here) equals the full update: the gradient accumulated over
+    micro-batches of the other rows, each scaled by its share of the whole batch's normaliser
+    as the trainer does, against the one-pass gradient of every row on a float64 copy."""
+    o = s.objective
+    batch = checks.grad_rows(batch, s)
+    B = batch.input_ids.shape[0]
+    advantages = torch.tensor([1.0, -0.5] * (B // 2) + [1.0] * (B % 2))
+    advantages[:: 3 if B > 2 else 2] = 0.0
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, o.temperature)
+    L = o.max_completion_length or batch.input_ids.shape[1]
+
+    def loss_of(logp, mask, rows=slice(None)) -> torch.Tensor:
+        kwargs = o.loss_kwargs() | {"beta": 0.0, "max_completion_length": L}
+        loss, _ = impl.grpo_loss(
+            logp, logp.detach() + 0.05, None, advantages[rows], mask,
+            **core.accepted_kwargs(impl.grpo_loss, kwargs),
+        )  # fmt: skip
+        return loss
+
+    def loss_of_rows(rows) -> torch.Tensor:
+        logp, mask = impl.sequence_logprobs(model, *(a[rows] for a in args[:3]), o.temperature)
+        return loss_of(logp, mask, rows)
+
+    model64 = float64_copy(model) if model64 is None else model64
+    _, reference = reference_gradient(model64, impl.sequence_logprobs, args, loss_of)
+    model.zero_grad(set_to_none=True)
+    loss_of_rows(torch.arange(B)).backward()
+    whole = _grad_distance(model, reference).grad
+    model.zero_grad(set_to_none=True)
+    unit_mask = batch.completion_mask[:, 1:]
+    kept = torch.nonzero(~core.rows_without_gradient(advantages)).view(-1)
+    for rows in (kept[: len(kept) // 2], kept[len(kept) // 2 :]):
+        if len(rows):
+            share = impl.micro_batch_scale(o.loss_type, unit_mask[rows], unit_mask)
+            (loss_of_rows(rows) * share).backward()
+    skipped = _grad_distance(model, reference).grad
+    model.zero_grad(set_to_none=True)
+    tol = checks.precision_tolerance(whole, 1.0, next(model.parameters()).dtype)
+    yield CheckResult(
+        "update.skip_invariance",
+        0,
+        f"max |grad(the {len(kept)} of {B} rows with an advantage, in 2 micro-batches) - "
+        "grad(every row, one pass, float64 copy)| / max |grad|",
+        skipped,
+        checks.tolerance_text(tol, whole, "one pass"),
+        skipped <= tol,
+        "a row whose advantage is 0 must add exactly 0 to the loss (every term A x a function "
+        "of the ratio) and the skipped rows must stay in the normaliser; a loss with a term "
+        "that reads every row needs trainer.skip_zero_advantage=false",
+    )
+
+
 def check_fused_logprobs(model, batch: PreflightBatch, s: PreflightSettings, model64=None):
     """The trainer's memory-efficient log-probs and the seed's code, each against a float64
     copy of the model: values and the gradient reaching the model's parameters."""
@@ -457,6 +513,11 @@ def run_preflight(run: Run, progress=None) -> list[CheckResult]:
             functions, ("split.gradient_invariance",), 0, check_split_invariance, functions,
             model, batch, s, model64,
         )  # fmt: skip
+        if skips_zero_advantage(cfg, run.dist.on):
+            results += checks.guarded(
+                functions, ("update.skip_invariance",), 0, check_skip_invariance, functions,
+                model, batch, s, model64,
+            )  # fmt: skip
         del model64
         if functions.path is None:  # memory of grpolab's own path; a learner's is not sized
             prompt_tokens = longest_prompt_tokens(run)

@@ -23,6 +23,7 @@ import torch
 
 from grpolab import core, seeds
 from grpolab import dist as dist_module
+from grpolab.config import skips_zero_advantage
 from grpolab.evaluate import correct_answers, strict_correct
 from grpolab.rewards import RewardResult, score
 from grpolab.rollout.base import Rollout
@@ -51,6 +52,8 @@ class StepBatch:
     # [B] 1 for rows in the loss, 0 for rows out of it (truncated completions under
     # mask_truncated_completions, dynamic sampling's fill); None: every row.
     loss_rows: torch.Tensor | None = None
+    # [B] True for rows the update skips (config.skips_zero_advantage); None: none skipped.
+    skip_rows: torch.Tensor | None = None
     # [B, T] the tokens a token-mode normaliser counts (episodes: the model's own, from the
     # engine's episode functions); None: completion_mask (single-turn).
     normaliser_mask: torch.Tensor | None = None
@@ -107,6 +110,8 @@ class UpdateStats:
     grad_norms: list[float] = field(default_factory=list)  # one per applied optimizer step
     minibatch_losses: list[float] = field(default_factory=list)  # one per optimizer step
     skipped: int = 0  # optimizer steps a non-finite value stopped
+    rows_skipped: int = 0  # rows of micro-batches not run: no gradient (StepBatch.skip_rows)
+    rows_run: int = 0
     nonfinite: str | None = None  # what went non-finite first
     ratio_dev: float = 0.0  # max |ratio - 1| before the step's first update
     engine_gap: float | None = None  # max |engine logp - trainer logp| before it
@@ -192,6 +197,11 @@ def collect(run: Run, step: int) -> StepBatch:
             None if rollout.engine_logprobs is None else rollout.engine_logprobs.to(dev)
         ),
         loss_rows=None if loss_rows is None else loss_rows.to(dev),
+        skip_rows=(
+            core.rows_without_gradient(advantages, loss_rows).to(dev)
+            if skips_zero_advantage(run.cfg, d.on)
+            else None
+        ),
         normaliser_mask=episode_normaliser_mask(run, rollout),
         timings=timings,
         sampling=counts,
@@ -397,11 +407,19 @@ def optimizer_step(
     # are the single-process gradient of the global minibatch.
     count = dist_module.all_sum(core.normaliser_count(cfg.trainer.loss_type, minibatch_mask), d)
     run.optimizer.zero_grad(set_to_none=True)
-    loss_total, nonfinite = 0.0, None
+    loss_total, nonfinite, ran = 0.0, None, False
     for m_start in range(0, plan.minibatch, plan.micro):
         # Ascending rows keep a group's samples adjacent (one prompt forward each).
         micro_rows = rows[m_start : m_start + plan.micro].sort().values
         last = m_start + plan.micro >= plan.minibatch
+        if batch.skip_rows is not None:  # their share of the gradient is exactly 0
+            kept = micro_rows[~batch.skip_rows[micro_rows]]
+            stats.rows_skipped += len(micro_rows) - len(kept)
+            micro_rows = kept
+            if not len(kept):
+                continue
+        stats.rows_run += len(micro_rows)
+        ran = True
         share, problem = micro_step(run, batch, micro_rows, minibatch_mask, count, first, stats)
         nonfinite = nonfinite or problem
         if run.reducer is not None and last:  # ddp: the sums start as backward finishes them
@@ -410,6 +428,9 @@ def optimizer_step(
         loss_total += float(share.detach())
     if run.reducer is not None:
         run.reducer.wait()
+    if not ran:  # every row skipped: the full update's gradient, exact zeros (AdamW still
+        for p in params:  # steps its moments and decay, as it would on the full batch)
+            p.grad = torch.zeros_like(p)
     norm = dist_module.grad_norm(params, d)
     nonfinite = nonfinite or first_nonfinite({"gradient": norm})
     if dist_module.any_rank(nonfinite is not None, d):
@@ -522,6 +543,21 @@ def masked_max_abs(values: torch.Tensor, mask: torch.Tensor) -> float:
 # --- Metrics -----------------------------------------------------------------------------------
 
 
+def skip_metrics(batch: StepBatch, stats: UpdateStats) -> dict[str, float]:
+    """update/skipped_groups: groups whose every row the update skipped (no gradient: flat
+    rewards, dynamic sampling's filler); update/skipped_rows_frac: the share of the update's
+    row passes not run."""
+    if batch.skip_rows is None:
+        return {}
+    G = batch.rows // len(batch.examples)
+    skipped_groups = batch.skip_rows.view(-1, G).all(dim=1).sum()
+    passes = stats.rows_skipped + stats.rows_run
+    return {
+        "update/skipped_groups": float(skipped_groups),
+        "update/skipped_rows_frac": stats.rows_skipped / max(passes, 1),
+    }
+
+
 def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, Any]:
     """The step's metrics, over all ranks: token-weighted sums added, worst cases (monitor/*)
     maxed, the rest averaged."""
@@ -536,6 +572,7 @@ def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, An
         "grad_norm": sum(norms) / len(norms) if norms else float("nan"),
         "lr": run.scheduler.get_last_lr()[0],
         "skipped": stats.skipped,
+        **skip_metrics(batch, stats),
         "monitor/ratio_dev": stats.ratio_dev,
         "monitor/adv_group_sum": batch.adv_group_sum,
     }
