@@ -1,0 +1,239 @@
+"""GRPOTrainer's TRL arguments that are objects: a loaded causal LM as `model`, a tokenizer as
+`processing_class`, a peft LoraConfig as `peft_config`. Each is saved or mapped onto grpolab's
+own config and trained for real by grpolab's trainer; what grpolab cannot honour is refused,
+named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import IA3Config, LoraConfig, get_peft_model
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaForSequenceClassification,
+    Wav2Vec2FeatureExtractor,
+    Wav2Vec2Processor,
+)
+
+from grpolab import GRPOConfig, GRPOTrainer
+from grpolab.config import ConfigError, load_config
+from grpolab.dist import Dist
+from grpolab.models import build_char_tokenizer, build_tiny_model, load_policy, load_tokenizer
+from grpolab.setup import DEMO_MODEL_DIR, prepare_model
+
+DEMO_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+def rows(n: int, start: int = 10) -> list[dict]:
+    return [{"prompt": f"{a}+11=", "answer": str(a + 11)} for a in range(start, start + n)]
+
+
+def exact(prompts, completions, answer, **kwargs):
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def fast(out: Path, **more) -> dict:
+    """One step of 4 prompts x 4 samples, 8 held-out prompts, a checkpoint at the end."""
+    return {"output_dir": str(out), "max_steps": 1, "per_device_train_batch_size": 16,
+            "num_generations": 4, "eval_steps": 0, "save_steps": 1,
+            "trainer.eval_examples": 8, "trainer.progress": False, **more}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random Llama and its character tokenizer, built here (no name_or_path)."""
+    tokenizer = build_char_tokenizer()
+    return build_tiny_model(tokenizer, seed=3), tokenizer
+
+
+@pytest.fixture
+def loaded():
+    """The demo model loaded as a user loads one, then changed in memory (so that only the
+    object, not the directory it came from, has these weights), and its tokenizer."""
+    model, tokenizer = load_policy(str(DEMO_MODEL_DIR))
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.01)
+    return model, tokenizer
+
+
+def saved_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def assert_same_weights(saved: dict[str, torch.Tensor], model: torch.nn.Module):
+    given = model.state_dict()
+    assert saved and set(saved) <= set(given)  # tied lm_head.weight is not stored twice
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, given[name]), name
+
+
+# --- model= a loaded causal LM ----------------------------------------------------------------
+
+
+def test_a_model_object_is_saved_with_its_tokenizer_and_trained(tmp_path, loaded):
+    model, tokenizer = loaded
+    out = tmp_path / "run"
+    # 8 prompts x 8 samples: some group's rewards vary, so the step changes the weights
+    args = fast(out, per_device_train_batch_size=64, num_generations=8, learning_rate=1e-3)
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=exact,
+                          args=args, train_dataset=rows(40))  # fmt: skip
+    source = Path(trainer.config.model.name_or_path)
+    assert source.parent == Path(trainer._scratch.name)
+    assert_same_weights(saved_weights(source), model)
+    assert load_tokenizer(str(source)).get_vocab() == tokenizer.get_vocab()
+    summary = trainer.train(overwrite=True)
+    assert summary["steps"] == 1 and summary["accuracy_after"] is not None
+    assert json.loads((out / "preflight.json").read_text())["passed"]
+    trained = saved_weights(out / "checkpoint-1")  # the step changed the given weights
+    assert set(trained) == set(saved_weights(source))
+    assert any(
+        not torch.equal(trained[k], v) for k, v in model.state_dict().items() if k in trained
+    )
+
+
+def test_a_model_object_without_processing_class_uses_the_tokenizer_it_was_loaded_with(
+    tmp_path, tiny
+):
+    model, tokenizer = tiny
+    model.save_pretrained(tmp_path / "mine")
+    tokenizer.save_pretrained(tmp_path / "mine")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mine")
+    trainer = GRPOTrainer(model=loaded, args=fast(tmp_path / "run"))
+    source = trainer.config.model.name_or_path
+    assert Path(source).parent == Path(trainer._scratch.name)
+    assert load_tokenizer(source).get_vocab() == tokenizer.get_vocab()
+    assert_same_weights(saved_weights(source), model)
+
+
+def test_a_model_object_grpolab_cannot_load_back_is_refused_naming_it(tiny):
+    model, tokenizer = tiny
+    with pytest.raises(ConfigError, match=r"model:.*no tokenizer.*pass processing_class"):
+        GRPOTrainer(model=model)  # built here: no name_or_path to load a tokenizer from
+    with pytest.raises(ConfigError, match=r"model:.*causal LM.*got Linear"):
+        GRPOTrainer(model=torch.nn.Linear(2, 2), processing_class=tokenizer)
+    with pytest.raises(ConfigError, match=r"model:.*got int"):
+        GRPOTrainer(model=3)
+    classifier = LlamaForSequenceClassification(model.config)
+    with pytest.raises(
+        ConfigError,
+        match=r"model: LlamaForSequenceClassification is not a causal LM.*LlamaForCausalLM",
+    ):
+        GRPOTrainer(model=classifier, processing_class=tokenizer)
+    wrapped = get_peft_model(build_tiny_model(tokenizer), LoraConfig(target_modules=["q_proj"]))
+    with pytest.raises(ConfigError, match=r"model: PeftModel.*adapters.*merge_and_unload"):
+        GRPOTrainer(model=wrapped, processing_class=tokenizer)
+    with pytest.raises(ConfigError, match=r"processing_class:.*tokenizer.*got str"):
+        GRPOTrainer(model=model, processing_class="gpt2")
+    small = build_char_tokenizer("0123456789")
+    with pytest.raises(ConfigError, match=r"processing_class:.*99 tokens.*embedding has 13 rows"):
+        GRPOTrainer(model=build_tiny_model(small), processing_class=tokenizer)
+
+
+# --- processing_class with a named model ------------------------------------------------------
+
+
+def test_processing_class_replaces_a_named_models_tokenizer(tmp_path):
+    tokenizer = load_tokenizer(str(DEMO_MODEL_DIR))
+    tokenizer.model_max_length = 333  # what tells the given tokenizer from the model's own
+    trainer = GRPOTrainer(model="demo", processing_class=tokenizer, reward_funcs=exact,
+                          args=fast(tmp_path / "run"), train_dataset=rows(40))  # fmt: skip
+    source = trainer.config.model.name_or_path
+    assert Path(source).parent == Path(trainer._scratch.name)
+    assert load_tokenizer(source).model_max_length == 333
+    demo, _ = load_policy(str(DEMO_MODEL_DIR))
+    assert_same_weights(saved_weights(source), demo)
+    assert trainer.train(overwrite=True)["steps"] == 1
+
+
+def test_a_processors_tokenizer_is_used(tiny):
+    model, tokenizer = tiny
+    # a real multimodal processor (audio features + text), its tokenizer the tiny model's
+    processor = Wav2Vec2Processor(feature_extractor=Wav2Vec2FeatureExtractor(), tokenizer=tokenizer)
+    trainer = GRPOTrainer(model=model, processing_class=processor)
+    assert load_tokenizer(trainer.config.model.name_or_path).get_vocab() == tokenizer.get_vocab()
+
+
+def test_a_tokenizer_larger_than_the_named_models_vocabulary_is_refused():
+    with pytest.raises(
+        ConfigError, match=r"processing_class: the tokenizer has 99 tokens.*18 rows"
+    ):
+        GRPOTrainer(model="demo", processing_class=build_char_tokenizer())
+
+
+# --- peft_config ------------------------------------------------------------------------------
+
+
+def test_a_lora_config_becomes_grpolabs_lora_keys_and_trains_adapters(tmp_path, loaded):
+    model, tokenizer = loaded
+    out = tmp_path / "run"
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj"],
+                      task_type="CAUSAL_LM")  # fmt: skip
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=exact,
+                          args=fast(out), train_dataset=rows(40), peft_config=lora)  # fmt: skip
+    t = trainer.config.trainer
+    assert (t.lora_r, t.lora_alpha, t.lora_dropout) == (4, 8, 0.05)
+    assert t.lora_target_modules == ["q_proj", "v_proj"]
+    # the policy grpolab builds from this config trains the adapters alone
+    policy, _ = load_policy(trainer.config.model.name_or_path)
+    policy, _ = prepare_model(policy, trainer.config, Dist())
+    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {n.split(".")[-4] for n in trainable} == {"q_proj", "v_proj"}
+    assert trainer.train(overwrite=True)["steps"] == 1
+    adapter = out / "checkpoint-1" / "adapter"
+    saved = json.loads((adapter / "adapter_config.json").read_text())
+    assert (saved["r"], saved["lora_alpha"], set(saved["target_modules"])) == (
+        4, 8, {"q_proj", "v_proj"},
+    )  # fmt: skip
+    adapter_weights = load_file(str(adapter / "adapter_model.safetensors"))
+    assert adapter_weights and all("lora_" in k for k in adapter_weights)
+
+
+@pytest.mark.parametrize(
+    ("target_modules", "expected"),
+    [
+        ("all-linear", DEMO_LINEAR),
+        (None, ["q_proj", "v_proj"]),  # peft's default for llama
+        ({"v_proj", "q_proj"}, ["q_proj", "v_proj"]),
+        (r".*\.mlp\..*_proj", ["down_proj", "gate_proj", "up_proj"]),
+        (r"model\.layers\.0\.self_attn\.[qv]_proj",
+         ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"]),
+    ],
+)  # fmt: skip
+def test_target_modules_become_the_module_names_peft_would_adapt(target_modules, expected):
+    trainer = GRPOTrainer(model="demo", peft_config=LoraConfig(r=2, target_modules=target_modules))
+    names = trainer.config.trainer.lora_target_modules
+    assert names == expected
+    # the same modules as peft itself picks with the LoraConfig as given
+    demo, _ = load_policy(str(DEMO_MODEL_DIR))
+    by_peft = get_peft_model(demo, LoraConfig(r=2, target_modules=target_modules))
+    demo, _ = load_policy(str(DEMO_MODEL_DIR))
+    by_grpolab = get_peft_model(demo, LoraConfig(r=2, target_modules=names))
+    assert set(by_peft.targeted_module_names) == set(by_grpolab.targeted_module_names)
+
+
+def test_a_lora_config_grpolab_cannot_honour_is_refused_naming_the_field():
+    refused = [
+        (LoraConfig(target_modules=["q_proj"], bias="lora_only"), r"bias='lora_only'"),
+        (LoraConfig(target_modules=["q_proj"], use_rslora=True), r"use_rslora=True"),
+        (LoraConfig(target_modules=["q_proj"], use_dora=True), r"use_dora=True"),
+        (LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]), r"modules_to_save="),
+        (LoraConfig(target_modules=["q_proj"], layers_to_transform=[0]), r"layers_to_transform="),
+        (LoraConfig(target_modules=["q_proj"], task_type="SEQ_CLS"), r"task_type=.*causal LM"),
+        (LoraConfig(target_modules=r"nothing\.here"), r"target_modules=.*matches no module"),
+        (IA3Config(target_modules=["q_proj"]), r"a peft\.LoraConfig is expected, got IA3Config"),
+    ]
+    for peft_config, words in refused:
+        with pytest.raises(ConfigError, match=rf"peft_config.*{words}"):
+            GRPOTrainer(peft_config=peft_config)
+    with pytest.raises(ConfigError, match=r"peft_config and GRPOConfig\(trainer\.lora_r\)"):
+        GRPOTrainer(args=GRPOConfig(**{"trainer.lora_r": 8}),
+                    peft_config=LoraConfig(target_modules=["q_proj"]))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"grpolab Config as args, peft_config"):
+        GRPOTrainer(args=load_config(), peft_config=LoraConfig(target_modules=["q_proj"]))
+    with pytest.raises(ConfigError, match=r"grpolab Config as args, model, processing_class"):
+        GRPOTrainer(model="x", args=load_config(), processing_class=object())
