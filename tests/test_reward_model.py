@@ -181,3 +181,20 @@ def test_the_api_takes_a_reward_model(rm_dir, tmp_path):
     assert summary["steps"] == 1
     logged = (tmp_path / "api" / "metrics.jsonl").read_text()
     assert "rewards/tiny-rm/mean" in logged
+
+
+def test_the_api_takes_a_loaded_reward_model(rm_dir, tmp_path):
+    """TRL's reward_funcs=[model]: scored in-process, logged by its name_or_path's last part,
+    recorded in config.yaml by its name_or_path."""
+    from grpolab import GRPOConfig, GRPOTrainer
+
+    model, _ = tiny_reward_model()
+    model.name_or_path = str(rm_dir)
+    args = GRPOConfig(output_dir=str(tmp_path / "api"), max_steps=1, num_generations=4,
+                      per_device_train_batch_size=16, max_completion_length=4,
+                      **{"trainer.eval_steps": 0})  # fmt: skip
+    trainer = GRPOTrainer(model="demo", reward_funcs=["accuracy", model], args=args)
+    assert isinstance(trainer.config.rewards.functions[1], RewardModel)
+    trainer.train(overwrite=True)
+    assert "rewards/tiny-rm/mean" in (tmp_path / "api" / "metrics.jsonl").read_text()
+    assert str(rm_dir) in (tmp_path / "api" / "config.yaml").read_text()

@@ -33,6 +33,7 @@ from transformers.pytorch_utils import Conv1D
 from grpolab.config import Config, ConfigError, check_overrides, load_config
 from grpolab.models import load_tokenizer, save_policy
 from grpolab.preflight import preflight
+from grpolab.rewards import RewardModel
 from grpolab.setup import load_start_model, model_source
 from grpolab.trainer import run_eval, train
 
@@ -485,6 +486,8 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def _reward_list(reward_funcs: RewardFuncs) -> list:
+    """The rewards as rewards.functions holds them; a loaded reward model becomes a
+    RewardModel here, once (the config records it by its name_or_path)."""
     if isinstance(reward_funcs, str) or callable(reward_funcs):
-        return [reward_funcs]
-    return list(reward_funcs)
+        reward_funcs = [reward_funcs]
+    return [RewardModel(f) if isinstance(f, torch.nn.Module) else f for f in reward_funcs]
