@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from grpolab import GRPOConfig, GRPOTrainer
-from grpolab.config import ConfigError
+from grpolab.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,3 +117,11 @@ def test_a_datasets_dataset_is_read_as_its_rows():
     task = load_task(trainer.config.task)
     assert (len(task.train), len(task.eval)) == (24, 6)
     assert all(e.columns["parity"] in (0, 1) for e in task.train + task.eval)
+
+
+def test_logging_steps_is_the_console_lines_interval():
+    from grpolab import GRPOConfig
+
+    assert "trainer.logging_steps=5" in GRPOConfig(logging_steps=5).overrides()
+    with pytest.raises(ConfigError, match=r"trainer\.logging_steps"):
+        load_config(None, ["trainer.logging_steps=0"])

@@ -68,6 +68,7 @@ TRL_KEYS = {
     "save_total_limit": "trainer.save_total_limit",
     "eval_steps": "trainer.eval_steps",
     "report_to": "trainer.report_to",
+    "logging_steps": "trainer.logging_steps",
     "gradient_checkpointing": "trainer.gradient_checkpointing",
     "max_completion_length": "rollout.max_completion_length",
     "temperature": "rollout.temperature",

@@ -141,6 +141,9 @@ class TrainerConfig:
     eval_steps: int = 100  # held-out accuracy every N steps; 0 = only before and after
     eval_examples: int = 500  # held-out problems per evaluation (at most the task's eval set)
     eval_max_completion_length: int | None = None  # None = rollout.max_completion_length
+    # The console line every N steps (and the first, and any step with a problem);
+    # metrics.jsonl has every step whatever it is (TRL: logging_steps).
+    logging_steps: int = 10
     log_completions_steps: int = 25  # sample completions to completions.jsonl; 0 = never
     log_completions_count: int = 4
     max_consecutive_nonfinite: int = 3  # stop after this many skipped steps in a row
@@ -590,6 +593,7 @@ def validate_values(cfg: Config) -> None:
     if t.save_total_limit is not None:
         _need(t.save_total_limit >= 1, "trainer.save_total_limit", t.save_total_limit, ">= 1")
     _need(t.eval_steps >= 0, "trainer.eval_steps", t.eval_steps, "an integer >= 0")
+    _need(t.logging_steps >= 1, "trainer.logging_steps", t.logging_steps, "an integer >= 1")
     _need(t.eval_examples >= 0, "trainer.eval_examples", t.eval_examples, "an integer >= 0")
     _need(
         t.max_consecutive_nonfinite >= 1,
@@ -939,6 +943,7 @@ RESUME_FREE_KEYS = (
     "trainer.eval_steps",
     "trainer.eval_examples",
     "trainer.eval_max_completion_length",
+    "trainer.logging_steps",
     "trainer.log_completions_steps",
     "trainer.log_completions_count",
     "trainer.max_consecutive_nonfinite",

@@ -310,7 +310,7 @@ def steps(session: Session) -> None:
             record(session, step, metrics, batch)
             bar.update(bar_task, completed=step, info=f"reward {metrics['reward/mean']:.3f}")
             first = step == session.start_step + 1
-            if first or step % 10 == 0 or metrics["skipped"] or failing:
+            if first or step % cfg.trainer.logging_steps == 0 or metrics["skipped"] or failing:
                 bar.console.print(session.tracker.console_line(step, cfg.max_steps, metrics))
             stop_if_unhealthy(session, step, warnings, batch)
             if dist_module.any_rank(stop.requested, run.dist):
