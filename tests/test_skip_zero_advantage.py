@@ -7,52 +7,52 @@ import json
 from pathlib import Path
 
 import pytest
+import test_checks
 import torch
 from safetensors.torch import load_file
 
 from grpolab import checks, core
 from grpolab.config import ConfigError, load_config, skips_zero_advantage
 from grpolab.functions import core_functions, load_impl
-from grpolab.models import build_char_tokenizer, build_tiny_model
 from grpolab.preflight import check_skip_invariance
-from grpolab.rollout.base import SamplingParams
-from grpolab.rollout.hf import HFEngine
 from grpolab.trainer import train
 
 MUTANTS = Path(__file__).parent / "mutants"
 SKIP_CAUGHT_BY = {"loss_reads_every_row": "update.skip_invariance"}
 
 
-@pytest.fixture(scope="module")
-def model_and_batch():
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, seed=0)
-    engine = HFEngine(model, tokenizer)
-    prompts = ["37+48=", "5+5=", "12+30=", "99+1="]
-    rollout = engine.generate(prompts, 4, SamplingParams(max_completion_length=8, seed=0))
-    rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1, 0, 0.5, 0, 0, 0, 0, 0, 0])
-    batch = checks.PreflightBatch(
-        rollout.input_ids, rollout.attention_mask, rollout.completion_mask, rewards, 4,
-        rollout.engine_logprobs,
-    )  # fmt: skip
-    return model, batch
+model_and_batch = test_checks.model_and_batch  # the fixture: a tiny model's rollout
+# Valid configs off the default: loss types, GSPO, CISPO, dual-clip and delta at tight clip
+# values, another temperature, the peers' profiles.
+OBJECTIVES = {
+    "sequence": [],
+    "token": ["trainer.loss_type=token"],
+    "constant": ["trainer.loss_type=dr_grpo"],
+    "gspo": ["trainer.importance_sampling_level=sequence"],
+    "cispo": ["trainer.loss_type=cispo", "trainer.epsilon_high=5"],
+    "dual_clip": ["trainer.dual_clip=3", "trainer.epsilon=0.1", "trainer.epsilon_high=0.1"],
+    "delta": ["trainer.delta=2", "rollout.temperature=0.7"],
+    "trl": ["trainer.profile=trl"],
+    "verl": ["trainer.profile=verl"],
+}
 
 
-@pytest.mark.parametrize("loss_type", ["sequence", "token", "constant"])
-def test_grpolab_passes_the_check_and_a_loss_reading_every_row_fails_it(
-    model_and_batch, loss_type
-):
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_grpolab_passes_the_check_and_a_loss_reading_every_row_fails_it(model_and_batch, name):
     model, batch = model_and_batch
-    s = checks.PreflightSettings(
-        objective=core.Objective(num_generations=4, loss_type=loss_type, max_completion_length=8)
-    )
+    cfg = load_config(None, ["trainer.num_generations=4", "trainer.prompts_per_step=4",
+                             "rollout.max_completion_length=8", *OBJECTIVES[name]])  # fmt: skip
+    s = checks.PreflightSettings(objective=cfg.objective)
     (ours,) = check_skip_invariance(core_functions("naive"), model, batch, s)
     assert ours.passed, ours
     (fused,) = check_skip_invariance(core_functions("fused"), model, batch, s)
     assert fused.passed, fused
-    (theirs,) = check_skip_invariance(load_impl(MUTANTS / "loss_reads_every_row.py"), model,
-                                      batch, s)  # fmt: skip
-    assert not theirs.passed and theirs.hint
+    # As the preflight runs it: a mutant without a declared option's keyword fails by raising.
+    mutant = load_impl(MUTANTS / "loss_reads_every_row.py")
+    (theirs,) = checks.guarded(mutant, ("update.skip_invariance",), 0, check_skip_invariance,
+                               mutant, model, batch, s)  # fmt: skip
+    assert theirs.id == "update.skip_invariance" and not theirs.passed
+    assert theirs.hint or theirs.error
 
 
 def test_rows_without_gradient():

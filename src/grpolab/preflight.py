@@ -211,16 +211,15 @@ def logprob_distances(
     return out
 
 
-def check_split_invariance(
-    impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings, model64=None
-):
-    """The gradient of the batch accumulated over micro-batches with the trainer's loss
-    scaling equals the gradient in one pass (the wrong normaliser under accumulation shows
-    here): both against the one-pass gradient of the same functions on a float64 copy."""
+def accumulated_gradients(
+    impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings, advantages,
+    parts, scale_fn, model64=None,
+) -> tuple[float, float]:  # fmt: skip
+    """(one pass, accumulated): the distances from the float64 copy's one-pass gradient of
+    the loss of every row (`advantages` [B]) of the gradient of one pass over all rows, and of
+    the gradient accumulated over `parts` (row indices), each part's loss scaled by
+    scale_fn(loss_type, its mask, the whole batch's mask), relative to max |grad|."""
     o = s.objective
-    batch = checks.grad_rows(batch, s)
-    B = batch.input_ids.shape[0]
-    advantages = torch.tensor([1.0, -0.5] * (B // 2) + [1.0] * (B % 2))
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, o.temperature)
     L = o.max_completion_length or batch.input_ids.shape[1]
 
@@ -239,20 +238,33 @@ def check_split_invariance(
     model64 = float64_copy(model) if model64 is None else model64
     _, reference = reference_gradient(model64, impl.sequence_logprobs, args, loss_of)
     model.zero_grad(set_to_none=True)
-    loss_of_rows(torch.arange(B)).backward()
+    loss_of_rows(torch.arange(len(advantages))).backward()
     whole = _grad_distance(model, reference).grad
     model.zero_grad(set_to_none=True)
     unit_mask = batch.completion_mask[:, 1:]
-    lengths = unit_mask.sum(1)
-    # Uneven micro-batches: the longest sequences alone, then the rest in two parts.
-    order = torch.argsort(lengths, descending=True)
-    parts = [order[: max(1, B // 4)], order[max(1, B // 4) : B // 2], order[B // 2 :]]
     for rows in parts:
         if len(rows):
-            share = core.micro_batch_scale(o.loss_type, unit_mask[rows], unit_mask)
-            (loss_of_rows(rows) * share).backward()
-    split = _grad_distance(model, reference).grad
+            (loss_of_rows(rows) * scale_fn(o.loss_type, unit_mask[rows], unit_mask)).backward()
+    accumulated = _grad_distance(model, reference).grad
     model.zero_grad(set_to_none=True)
+    return whole, accumulated
+
+
+def check_split_invariance(
+    impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings, model64=None
+):
+    """The gradient of the batch accumulated over micro-batches with the trainer's loss
+    scaling equals the gradient in one pass (the wrong normaliser under accumulation shows
+    here): both against the one-pass gradient of the same functions on a float64 copy."""
+    batch = checks.grad_rows(batch, s)
+    B = batch.input_ids.shape[0]
+    advantages = torch.tensor([1.0, -0.5] * (B // 2) + [1.0] * (B % 2))
+    # Uneven micro-batches: the longest sequences alone, then the rest in two parts.
+    order = torch.argsort(batch.completion_mask[:, 1:].sum(1), descending=True)
+    parts = [order[: max(1, B // 4)], order[max(1, B // 4) : B // 2], order[B // 2 :]]
+    whole, split = accumulated_gradients(
+        impl, model, batch, s, advantages, parts, core.micro_batch_scale, model64
+    )
     tol = checks.precision_tolerance(whole, 1.0, next(model.parameters()).dtype)
     yield CheckResult(
         "split.gradient_invariance",
@@ -273,40 +285,15 @@ def check_skip_invariance(
     of the rows given advantage 0 here) equals the full update: the gradient accumulated over
     micro-batches of the other rows, each scaled by its share of the whole batch's normaliser
     as the trainer does, against the one-pass gradient of every row on a float64 copy."""
-    o = s.objective
     batch = checks.grad_rows(batch, s)
     B = batch.input_ids.shape[0]
     advantages = torch.tensor([1.0, -0.5] * (B // 2) + [1.0] * (B % 2))
     advantages[:: 3 if B > 2 else 2] = 0.0
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, o.temperature)
-    L = o.max_completion_length or batch.input_ids.shape[1]
-
-    def loss_of(logp, mask, rows=slice(None)) -> torch.Tensor:
-        kwargs = o.loss_kwargs() | {"beta": 0.0, "max_completion_length": L}
-        loss, _ = impl.grpo_loss(
-            logp, logp.detach() + 0.05, None, advantages[rows], mask,
-            **core.accepted_kwargs(impl.grpo_loss, kwargs),
-        )  # fmt: skip
-        return loss
-
-    def loss_of_rows(rows) -> torch.Tensor:
-        logp, mask = impl.sequence_logprobs(model, *(a[rows] for a in args[:3]), o.temperature)
-        return loss_of(logp, mask, rows)
-
-    model64 = float64_copy(model) if model64 is None else model64
-    _, reference = reference_gradient(model64, impl.sequence_logprobs, args, loss_of)
-    model.zero_grad(set_to_none=True)
-    loss_of_rows(torch.arange(B)).backward()
-    whole = _grad_distance(model, reference).grad
-    model.zero_grad(set_to_none=True)
-    unit_mask = batch.completion_mask[:, 1:]
     kept = torch.nonzero(~core.rows_without_gradient(advantages)).view(-1)
-    for rows in (kept[: len(kept) // 2], kept[len(kept) // 2 :]):
-        if len(rows):
-            share = impl.micro_batch_scale(o.loss_type, unit_mask[rows], unit_mask)
-            (loss_of_rows(rows) * share).backward()
-    skipped = _grad_distance(model, reference).grad
-    model.zero_grad(set_to_none=True)
+    parts = [kept[: len(kept) // 2], kept[len(kept) // 2 :]]
+    whole, skipped = accumulated_gradients(
+        impl, model, batch, s, advantages, parts, impl.micro_batch_scale, model64
+    )
     tol = checks.precision_tolerance(whole, 1.0, next(model.parameters()).dtype)
     yield CheckResult(
         "update.skip_invariance",
