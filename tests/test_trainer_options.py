@@ -6,7 +6,8 @@ import pytest
 import torch
 from tolerances import assert_gradients_close, gradient_norm_tolerance, reduction_terms
 
-from grpolab.config import ConfigError, load_config
+from grpolab.config import ConfigError, load_config, load_notes
+from grpolab.precision import resolve_precision
 from grpolab.setup import build_run, load_start_model
 from grpolab.step import grpo_step
 
@@ -56,21 +57,24 @@ def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
     assert_gradients_close(grads[1], grads[0], terms)
 
 
-def test_bf16_autocast_keeps_fp32_master_weights_and_an_exact_first_ratio(tmp_path):
+def test_bf16_precision_keeps_fp32_master_weights_and_an_exact_first_ratio(tmp_path):
     updates = {}
-    for mode in ("off", "bf16"):
+    for mode in ("fp32", "bf16"):
         cfg = small_run_config(
             tmp_path / mode,
             # Two updates, logp_old from its own forward. The first update's minibatch is the
             # whole batch, the rows of that forward in the same order: the same kernels on the
             # same inputs, so the first ratio is exactly 1. (Other rows in one forward would
             # round differently, by ~1e-7 in float32 with 2 threads.)
+            # Every row in that forward: skipping the rows without gradient would change them.
             "trainer.num_iterations=2",
-            f"trainer.autocast={mode}",
+            "trainer.skip_zero_advantage=false",
+            f"trainer.precision={mode}",
         )
         model, tokenizer = load_start_model(cfg, torch.device("cpu"))
         start = [p.detach().clone() for p in model.parameters()]
         run = build_run(cfg, model, tokenizer)
+        assert run.precision.name == mode
         metrics, _ = grpo_step(run, 1)
         assert all(p.dtype == torch.float32 for p in model.parameters())
         assert any(not torch.equal(a, p) for a, p in zip(start, model.parameters(), strict=True))
@@ -85,14 +89,41 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_an_exact_first_ratio(tmp_pa
     # gradient is within a few percent of its tensor's largest. What holds is that most
     # parameters step the same way (cosine 1 - 2f with a share f turned around), where a bf16
     # path computing another gradient would give an unrelated update (cosine ~0).
-    off, bf16 = updates["off"], updates["bf16"]
+    off, bf16 = updates["fp32"], updates["bf16"]
     assert not torch.equal(off, bf16)
     assert torch.nn.functional.cosine_similarity(off, bf16, dim=0) > 0.5
 
 
-def test_autocast_takes_off_or_bf16():
-    with pytest.raises(ConfigError, match=r"trainer\.autocast"):
+def test_precision_takes_auto_fp32_or_bf16_and_autocast_is_its_older_name():
+    with pytest.raises(ConfigError, match=r"trainer\.precision.*auto, fp32 or bf16"):
+        load_config(None, ["trainer.precision=fp16"])
+    with pytest.raises(ConfigError, match=r"trainer\.autocast.*off or bf16"):
         load_config(None, ["trainer.autocast=fp8"])
+    for old, new in (("off", "fp32"), ("bf16", "bf16")):
+        cfg = load_config(None, [f"trainer.autocast={old}"])
+        assert cfg.trainer.precision == new and cfg.trainer.autocast is None
+        assert f"trainer.autocast={old} read as trainer.precision={new}" in load_notes(cfg)
+    assert (
+        load_config(None, ["trainer.autocast=bf16", "trainer.precision=bf16"]).trainer.precision
+        == "bf16"
+    )
+    with pytest.raises(
+        ConfigError, match=r"trainer\.autocast=off .* contradicts trainer\.precision=bf16"
+    ):
+        load_config(None, ["trainer.autocast=off", "trainer.precision=bf16"])
+
+
+def test_auto_precision_is_bf16_exactly_where_the_device_has_bf16_matrix_units():
+    """auto follows the hardware (AMX on a CPU, native bf16 on a GPU); fp32 and bf16 are kept
+    as given. Never bf16 on a CPU without AMX tiles, where bf16 would be emulated and slower."""
+    cpu = torch.device("cpu")
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    auto = resolve_precision("auto", cpu)
+    assert auto.name == ("bf16" if amx else "fp32")
+    assert auto.reason.startswith("auto: ") and ("AMX" in auto.reason)
+    assert resolve_precision("fp32", cpu).name == "fp32"
+    assert resolve_precision("bf16", cpu).name == "bf16"
+    assert load_config(None, []).trainer.precision == "fp32"  # the demo's numbers everywhere
 
 
 def test_torch_compile_compiles_the_layer_parts_and_changes_nothing(tmp_path):

@@ -34,6 +34,7 @@ from grpolab.core import (
 )
 from grpolab.functions import LOGPROB_PATHS
 from grpolab.models import PACKAGED_MODELS
+from grpolab.precision import PRECISIONS
 from grpolab.rewards import BUILTIN_REWARDS, RewardsConfig  # each section lives with its module
 from grpolab.rollout import ENGINES, RolloutConfig
 from grpolab.tasks import TaskConfig
@@ -176,9 +177,15 @@ class TrainerConfig:
     # all layers; attention stays eager): fuses their elementwise ops. Pays on GPUs over a
     # long run; on a CPU the first steps spend seconds to minutes compiling (docs/SCALING.md).
     torch_compile: bool = False
-    # bf16: the model's forwards run under bf16 autocast (matmuls in bfloat16, log-softmax
-    # still float32) while weights, gradients and AdamW stay in model.dtype (fp32 master).
-    autocast: str = "off"
+    # auto | fp32 | bf16 (grpolab.precision): bf16 runs the training forwards under bf16
+    # autocast (matmuls in bfloat16, log-softmax still float32) while weights, gradients and
+    # AdamW stay in model.dtype (fp32 master); auto is bf16 where the device has bf16 matrix
+    # units (a CUDA GPU with bf16, a CPU with AMX), fp32 elsewhere. The default stays fp32:
+    # a tiny model's matmuls are too small to gain, and the demo's numbers stay the same on
+    # every machine; the real-model example sets auto.
+    precision: str = "fp32"
+    # The older name: off = precision fp32, bf16 = precision bf16 (null: not given).
+    autocast: str | None = None
     # LoRA (needs the `lora` extra, peft): lora_r > 0 trains low-rank adapters on
     # lora_target_modules and freezes the base weights; 0 = full fine-tuning.
     lora_r: int = 0
@@ -289,6 +296,7 @@ def load_config(
     # The run's config, the file, the overrides: the overrides are one layer (any order).
     given = _given_keys([(where or "overrides", layer) for where, layer in layers])
     notes = apply_profile(cfg, {k.partition(".")[2] for k in given if k.startswith("trainer.")})
+    notes += resolve_autocast_alias(cfg.trainer, given)
     notes += check_batch_keys(cfg, given)
     validate_values(cfg)
     notes += yield_or_refuse_inert(cfg, given)
@@ -344,6 +352,26 @@ def apply_profile(cfg: Config, explicit: set[str] = frozenset()) -> list[str]:
             continue
         setattr(t, key, value)
     return notes
+
+
+AUTOCAST_ALIAS = {"off": "fp32", "bf16": "bf16"}  # trainer.autocast -> trainer.precision
+
+
+def resolve_autocast_alias(t: TrainerConfig, given: dict[str, int]) -> list[str]:
+    """trainer.autocast (the older name) onto trainer.precision, once, at load; a note says so.
+    Both given and disagreeing is an error naming both."""
+    if t.autocast is None:
+        return []
+    _need(t.autocast in AUTOCAST_ALIAS, "trainer.autocast", t.autocast, "off or bf16")
+    precision = AUTOCAST_ALIAS[t.autocast]
+    if "trainer.precision" in given and t.precision != precision:
+        raise ConfigError(
+            f"trainer.autocast={t.autocast} (the older name of trainer.precision={precision}) "
+            f"contradicts trainer.precision={t.precision}: give trainer.precision alone"
+        )
+    note = f"trainer.autocast={t.autocast} read as trainer.precision={precision}"
+    t.precision, t.autocast = precision, None
+    return [note]
 
 
 def _given_keys(layers: list[tuple[str, DictConfig]]) -> dict[str, int]:
@@ -608,7 +636,7 @@ def validate_values(cfg: Config) -> None:
         "an integer >= 1",
     )
     _need(t.monitor in ("warn", "stop", "off"), "trainer.monitor", t.monitor, "warn, stop or off")
-    _need(t.autocast in ("off", "bf16"), "trainer.autocast", t.autocast, "off or bf16")
+    _need(t.precision in PRECISIONS, "trainer.precision", t.precision, "auto, fp32 or bf16")
     if t.tis_cap is not None:
         _need(t.tis_cap > 0, "trainer.tis_cap", t.tis_cap, "a number > 0 (e.g. 2.0), or null")
         _need(
@@ -952,6 +980,8 @@ RESUME_FREE_KEYS = (
     "trainer.monitor_clip_frac_max",
     "trainer.monitor_zero_std_max",
     "trainer.num_threads",
+    "trainer.precision",
+    "trainer.autocast",
     "trainer.report_to",
     "trainer.progress",
     "trainer.ddp_bucket_mb",

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from grpolab.checkpoint import rng_state
+from grpolab.precision import Precision
 from grpolab.setup import Run
 from grpolab.step import StepBatch, logprobs_in_chunks
 
@@ -52,10 +53,10 @@ class MonitorLimits:
     divergence_window: int = 8
 
 
-def limits_for(trainer_cfg, model_dtype: str) -> MonitorLimits:
+def limits_for(trainer_cfg, model_dtype: str, precision: Precision) -> MonitorLimits:
     """The limits for a run: the engine gap a float32 stack keeps is far below a bf16 one's."""
     return MonitorLimits(
-        engine_gap=1e-3 if model_dtype == "float32" and trainer_cfg.autocast == "off" else 5e-2,
+        engine_gap=1e-3 if model_dtype == "float32" and not precision.bf16 else 5e-2,
         clip_frac_max=trainer_cfg.monitor_clip_frac_max,
         zero_std_max=trainer_cfg.monitor_zero_std_max,
         reward_strict_gap=trainer_cfg.monitor_reward_strict_gap,

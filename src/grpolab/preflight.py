@@ -48,7 +48,14 @@ from grpolab.monitors import limits_for
 from grpolab.rewards import score
 from grpolab.rewards.probes import probe_task
 from grpolab.rollout.common import encode_prompts
-from grpolab.setup import BatchPlan, Run, build_run, load_start_model, resolve_device
+from grpolab.setup import (
+    BatchPlan,
+    Run,
+    build_run,
+    load_start_model,
+    resolve_device,
+    run_precision,
+)
 
 PREFLIGHT_ROWS = 32  # sequences in the preflight batch (whole groups, at least two)
 
@@ -56,7 +63,7 @@ PREFLIGHT_ROWS = 32  # sequences in the preflight batch (whole groups, at least 
 def settings_from_config(cfg: Config) -> PreflightSettings:
     return PreflightSettings(
         objective=cfg.objective,
-        engine_gap_max=limits_for(cfg.trainer, cfg.model.dtype).engine_gap,
+        engine_gap_max=limits_for(cfg.trainer, cfg.model.dtype, run_precision(cfg)).engine_gap,
         seed=cfg.seed,
         shared_prefix=cfg.trainer.shared_prefix,
         grad_rows=BatchPlan.of(cfg).micro,  # the trainer's forward + backward rows

@@ -23,6 +23,7 @@ from grpolab.dist import Dist
 from grpolab.evaluate import accuracy_rewards
 from grpolab.functions import core_functions
 from grpolab.models import load_policy, resolve_model_source
+from grpolab.precision import FP32, Precision, resolve_precision
 from grpolab.rewards import Rewards, load_rewards
 from grpolab.rollout import build_engine
 from grpolab.rollout.common import longest_prompt
@@ -89,6 +90,7 @@ class Run:
     plan: BatchPlan
     dist: Dist = field(default_factory=Dist)
     reducer: dist_module.GradientReducer | None = None  # ddp: sums gradients during backward
+    precision: Precision = FP32  # what the forwards run
     skipped_steps: int = 0  # steps whose update a non-finite value stopped
     consecutive_nonfinite: int = 0
 
@@ -97,6 +99,12 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def run_precision(cfg: Config) -> Precision:
+    """What trainer.precision runs on the configured device (auto: bf16 where it has bf16
+    matrix units), and why: one answer for the trainer, the preflight and the monitors."""
+    return resolve_precision(cfg.trainer.precision, resolve_device(cfg.model.device))
 
 
 def model_source(cfg: Config) -> str:
@@ -178,6 +186,7 @@ def build_run(
         device=device or next(model.parameters()).device,
         plan=plan,
         dist=d,
+        precision=resolve_precision(t.precision, device or next(model.parameters()).device),
         reducer=(
             dist_module.GradientReducer(trained, t.ddp_bucket_mb)
             if d.on and d.mode == "ddp"

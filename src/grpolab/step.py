@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import time
@@ -25,6 +24,7 @@ from grpolab import core, seeds
 from grpolab import dist as dist_module
 from grpolab.config import skips_zero_advantage
 from grpolab.evaluate import correct_answers, strict_correct
+from grpolab.precision import autocast
 from grpolab.rewards import RewardResult, score
 from grpolab.rollout.base import Rollout
 from grpolab.setup import Run, old_logprobs_from_loss_forward
@@ -158,9 +158,7 @@ def collect(run: Run, step: int) -> StepBatch:
     tic = time.perf_counter()
     correct = strict = None  # a task without references: the rewards alone judge
     if run.task.has_references:
-        correct = correct_answers(
-            scores, rollout.completions, examples, run.rewards, run.accuracy
-        )
+        correct = correct_answers(scores, rollout.completions, examples, run.rewards, run.accuracy)
         answers = [e.answer for e in examples for _ in range(G)]
         # The task's judge, in code independent of the rewards'.
         strict = strict_correct(rollout.completions, answers, run.task.answer_kind)
@@ -327,11 +325,11 @@ def logprobs_before_update(
             raise ValueError("trainer.logprob_source=engine but the engine returned no log-probs")
         logp_old = batch.engine_logprobs
     elif not old_logprobs_from_loss_forward(cfg, run.plan):
-        with autocast(cfg.trainer.autocast, run.device):  # the loss forward's precision
+        with autocast(run.precision, run.device):  # the loss forward's precision
             logp_old = logprobs_in_chunks(run, run.model, batch)
     logp_ref = None
     if cfg.trainer.beta > 0:
-        with autocast(cfg.trainer.autocast, run.device):
+        with autocast(run.precision, run.device):
             logp_ref = reference_logprobs(run, batch)
     return logp_old, logp_ref
 
@@ -361,14 +359,6 @@ def reference_logprobs(run: Run, batch: StepBatch) -> torch.Tensor:
         return logprobs_in_chunks(run, run.ref_model, batch)
     with run.model.disable_adapter():
         return logprobs_in_chunks(run, run.model, batch)
-
-
-def autocast(mode: str, device: torch.device):
-    """bf16 matmuls for the model's forwards (weights and optimizer stay in the model dtype),
-    or nothing."""
-    if mode == "off":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 # --- Update ------------------------------------------------------------------------------------
@@ -461,7 +451,7 @@ def micro_step(
     first non-finite input or loss value (None when all are finite). Records its metrics."""
     cfg, fns, o = run.cfg, run.functions, run.cfg.objective
     with_entropy = _takes(fns.sequence_logprobs, "return_entropy")
-    with autocast(cfg.trainer.autocast, run.device):  # the forward only; backward outside
+    with autocast(run.precision, run.device):  # the forward only; backward outside
         logp, mask, *entropy = fns.sequence_logprobs(
             run.model,
             batch.input_ids[rows],

@@ -232,6 +232,7 @@ def gate(session: Session, skip_preflight: bool, stage: Stage | None = None) -> 
             "\n  (one optimizer step per batch: logp_old is the loss forward's own detached"
             " log-probs, exact, no extra pass)"
         )
+    card += f"\n  precision     {run.precision.name} ({run.precision.reason})"
     card += "".join(f"\n  note: {note}" for note in load_notes(cfg))
     session.staged |= {"config.yaml": to_yaml(cfg), "objective.txt": card + "\n"}
     console.print("[bold]Resolved config[/bold]\n" + to_yaml(cfg))
@@ -254,7 +255,9 @@ def gate(session: Session, skip_preflight: bool, stage: Stage | None = None) -> 
         session.progress |= {"accuracy_before": before, "strict_accuracy_before": strict_before}
     session.progress.setdefault("eval_history", [])
     scale = reward_scale(run.task, run.rewards, run.tokenizer)  # wrong vs right total reward
-    session.divergence = RewardDivergence(limits_for(cfg.trainer, cfg.model.dtype), scale)
+    session.divergence = RewardDivergence(
+        limits_for(cfg.trainer, cfg.model.dtype, run.precision), scale
+    )
 
 
 def commit(session: Session) -> None:
@@ -333,7 +336,7 @@ def watch(session: Session, step: int, metrics: dict, batch: StepBatch, console)
     metrics["skipped_steps"] = run.skipped_steps
     if t.monitor == "off":
         return []
-    limits = limits_for(t, run.cfg.model.dtype)
+    limits = limits_for(t, run.cfg.model.dtype, run.precision)
     trainer_logp_old = t.logprob_source == "trainer"
     watched = metrics | {"nonfinite": batch.nonfinite}
     warnings = check_step(step, watched, limits, trainer_logp_old)
@@ -426,7 +429,12 @@ def held_out_accuracy(session: Session, label: str) -> tuple[float | None, float
     progress = EvalProgress(session.console, f"held-out accuracy {label}", len(examples))
     # Batches of a training rollout's size: no larger a KV cache than training needs.
     held_out = evaluate_greedy(
-        run.engine, examples, run.accuracy, length, run.cfg.batch_size, run.task.answer_kind,
+        run.engine,
+        examples,
+        run.accuracy,
+        length,
+        run.cfg.batch_size,
+        run.task.answer_kind,
         on_batch=progress,
     )
     session.console.print(
