@@ -34,6 +34,7 @@ import torch
 
 from grpolab import core
 from grpolab.models import eval_mode, plain_kv_cache
+from grpolab.precision import cached_cast
 
 log = logging.getLogger("grpolab")
 
@@ -940,7 +941,7 @@ def _fused(
     targets = input_ids[:, 1:][:, start:][keep]  # [N]
     weight = split.weight
     if head_dtype is not None:  # autocast: the head's matmul in its dtype, as the model's own
-        h, weight = h.to(head_dtype), weight.to(head_dtype)
+        h, weight = h.to(head_dtype), cached_cast(weight, head_dtype)
     out = fused_token_logprobs(h, weight, targets, temperature, return_entropy=return_entropy)
     logp_n, entropy_n = out if return_entropy else (out, None)
     # Columns before `start` hold no completion token, so the full mask lists the same

@@ -19,6 +19,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -60,9 +62,134 @@ def resolve_precision(setting: str, device: torch.device) -> Precision:
     return Precision("bf16" if native else "fp32", f"auto: {found}")
 
 
-def autocast(precision: Precision, device: torch.device):
-    """bf16 matmuls for a forward (weights and optimizer stay in the model's dtype), or
-    nothing under fp32."""
+def autocast(precision: Precision, device: torch.device, cached: bool = True):
+    """bf16 matmuls for a forward (weights and optimizer stay in the model's dtype, each
+    linear weight's bf16 copy cached: `cached_cast`), or nothing under fp32. cached=False:
+    every weight cast afresh, the same values when the copies are current (the canary's
+    reference)."""
     if not precision.bf16:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
+    stack.enter_context(_Bf16Forward(torch.bfloat16, device.type, cached))
+    return stack
+
+
+# --- One bf16 copy per weight, not one per matmul ---------------------------------------------
+# Autocast casts a float32 weight to bf16 inside every matmul that reads it, and keeps the
+# cast only for the forward it is in, and never for a frozen weight: LoRA's frozen base was
+# cast again in every micro-batch, and the tied 49k x 576 head too; on SmolLM2 those casts
+# were 45 % of the update. Here each weight is cast once and reused until it changes: a
+# frozen weight until something writes it (a load bumps its version counter), a trained one
+# until the optimizer steps (`forget_casts_on_step`: a fused AdamW writes its parameters
+# without bumping the counter). The values are the ones autocast would compute: the same
+# round-to-nearest cast of the same float32 weight.
+
+_CASTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> ((version, ptr, dtype), copy)
+
+
+class _CastKeepingGradient(torch.autograd.Function):
+    """`low` (the cached copy of `weight`) in the forward; the gradient back to `weight` in
+    its own dtype, as autocast's cast would."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = weight.dtype
+        return low.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
+
+
+def cached_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` in `dtype`, cast once and reused while `weight` is unchanged. Only plain
+    leaf tensors are cached (a sharded or computed weight is cast as usual)."""
+    if weight.dtype == dtype or type(weight) not in (torch.Tensor, torch.nn.Parameter):
+        return weight.to(dtype)
+    if not weight.is_leaf:
+        return weight.to(dtype)
+    key = (weight._version, weight.data_ptr(), dtype)
+    hit = _CASTS.get(weight)
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            hit = (key, weight.detach().to(dtype))
+        _CASTS[weight] = hit
+    if weight.requires_grad and torch.is_grad_enabled():
+        return _CastKeepingGradient.apply(weight, hit[1])
+    return hit[1]
+
+
+def forget_casts(params) -> None:
+    """Drop the cached copies of `params` (after an update wrote them)."""
+    for p in params:
+        _CASTS.pop(p, None)
+
+
+def forget_casts_on_step(optimizer: torch.optim.Optimizer) -> None:
+    """After every `optimizer.step()`, drop the copies of the parameters it updated."""
+
+    def hook(opt, args, kwargs):
+        for group in opt.param_groups:
+            forget_casts(group["params"])
+
+    optimizer.register_step_post_hook(hook)
+
+
+# The CPU's bf16 attention kernel (forward and backward) is slower than its float32 one
+# below a few hundred keys (bench/precision.py measures it: 3.6x slower at 61 keys, 1.4x
+# slower at 128, 1.5x faster at 512), while its FLOPs there are a few % of the layer's: short
+# attention on the CPU runs in float32.
+CPU_FLOAT32_ATTENTION_MAX_KEYS = 256
+
+
+class _Bf16Forward(TorchFunctionMode):
+    """Inside a bf16 autocast region: every `F.linear` on a float32 weight reads its cached
+    `dtype` copy (autocast then casts only the activations), and short attention on the CPU
+    runs in float32."""
+
+    def __init__(self, dtype: torch.dtype, device_type: str, cached: bool = True):
+        super().__init__()
+        self.dtype, self.device_type, self.cached = dtype, device_type, cached
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not torch.is_autocast_enabled(self.device_type):  # a region that turned it off
+            return func(*args, **kwargs)
+        if func is torch._C._nn.linear:
+            args, kwargs = _linear_args(args, kwargs, self.dtype, self.cached)
+        elif func is torch._C._nn.scaled_dot_product_attention and self._short_on_cpu(args):
+            with torch.autocast(self.device_type, enabled=False):  # masks too, if additive
+                return func(*map(_float32, args), **{n: _float32(a) for n, a in kwargs.items()})
+        return func(*args, **kwargs)
+
+    def _short_on_cpu(self, args: tuple) -> bool:
+        return (
+            self.device_type == "cpu"
+            and len(args) >= 3
+            and args[1].dim() >= 2
+            and args[1].shape[-2] <= CPU_FLOAT32_ATTENTION_MAX_KEYS
+        )
+
+
+def _float32(value):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.float()
+    return value
+
+
+def _linear_args(args: tuple, kwargs: dict, dtype: torch.dtype, cached: bool):
+    # A strided input (the last position's hidden states, [n, 1, H] of [n, P, H]) would make
+    # matmul expand the weight to [n, H, V] and copy it (1 s for a 49k-token head); autocast
+    # copies the input anyway, so contiguous first costs nothing.
+    if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 3:
+        args = (args[0].contiguous(), *args[1:])
+    if not cached:
+        return args, kwargs
+    if len(args) >= 2:
+        weight = args[1]
+        if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+            args = (args[0], cached_cast(weight, dtype), *args[2:])
+    elif "weight" in kwargs and kwargs["weight"].dtype == torch.float32:
+        kwargs = {**kwargs, "weight": cached_cast(kwargs["weight"], dtype)}
+    return args, kwargs
