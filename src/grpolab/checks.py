@@ -23,6 +23,7 @@ from grpolab import core
 from grpolab.core import CoreFunctions, Objective
 from grpolab.functions import impl_error_line
 from grpolab.models import eval_mode
+from grpolab.precision import FP32, Precision
 from grpolab.rewards import probes
 from grpolab.rewards.probes import ProbeReport
 
@@ -59,6 +60,9 @@ class PreflightSettings:
 
     objective: Objective = field(default_factory=Objective)
     engine_gap_max: float = 1e-3  # fp32 engines agree to ~1e-5; bf16 engines need more
+    # What the engine samples in: under bf16 the engine's gap is held to the plain bf16
+    # forward's own distance from the float32 log-probs instead of engine_gap_max.
+    precision: Precision = FP32
     seed: int = 0
     shared_prefix: bool = True  # the trainer's fused log-probs run a group's prompt once
     # Rows that a check runs through the model with gradients (the first ones of the batch):
@@ -696,15 +700,28 @@ def check_ratio(impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightS
     if batch.engine_logprobs is not None:
         gaps = (batch.engine_logprobs.double() - logp_old.double())[valid].abs()
         worst = gaps.max().item() if gaps.numel() else 0.0
-        result = _result(
+        tol, bound = s.engine_gap_max, f"<= {s.engine_gap_max:g}"
+        if s.precision.bf16:
+            plain = _plain_bf16_gap(model, args, logp_old, valid)
+            tol = precision_tolerance(plain, _max_abs(logp_old[valid]), torch.bfloat16)
+            bound = tolerance_text(tol, plain, "a plain bf16 autocast forward")
+        yield _result(
             "engine.agreement",
             0,
-            f"engine vs trainer logp: max gap (mean {gaps.mean().item():.2e})",
+            f"engine vs trainer float32 logp: max gap (mean {gaps.mean().item():.2e})",
             worst,
-            f"<= {s.engine_gap_max:g}",
-            worst <= s.engine_gap_max,
+            bound,
+            worst <= tol,
         )
-        yield result
+
+
+@torch.no_grad()
+def _plain_bf16_gap(model, args: tuple, logp: torch.Tensor, valid: torch.Tensor) -> float:
+    """Max |log-prob| distance of the seed's log-probs under plain bf16 autocast from the
+    float32 `logp` [B, T-1]: how far a bf16 engine may be from the trainer's float32."""
+    with eval_mode(model), torch.autocast(args[0].device.type, dtype=torch.bfloat16):
+        plain, _ = core.sequence_logprobs(model, *args)
+    return _max_abs((plain.double() - logp.double())[valid])
 
 
 # Probe log-ratios keep this far from every bound of the objective: far above the rounding of

@@ -64,6 +64,7 @@ def settings_from_config(cfg: Config) -> PreflightSettings:
     return PreflightSettings(
         objective=cfg.objective,
         engine_gap_max=limits_for(cfg.trainer, cfg.model.dtype, run_precision(cfg)).engine_gap,
+        precision=run_precision(cfg),
         seed=cfg.seed,
         shared_prefix=cfg.trainer.shared_prefix,
         grad_rows=BatchPlan.of(cfg).micro,  # the trainer's forward + backward rows

@@ -23,7 +23,7 @@ from grpolab.dist import Dist
 from grpolab.evaluate import accuracy_rewards
 from grpolab.functions import core_functions
 from grpolab.models import load_policy, resolve_model_source
-from grpolab.precision import FP32, Precision, resolve_precision
+from grpolab.precision import FP32, Precision, forget_casts_on_step, resolve_precision
 from grpolab.rewards import Rewards, load_rewards
 from grpolab.rollout import build_engine
 from grpolab.rollout.common import longest_prompt
@@ -161,6 +161,7 @@ def build_run(
         weight_decay=t.weight_decay,
         fused=fused_adamw_ok(trained) or None,
     )
+    forget_casts_on_step(optimizer)  # bf16: the trained weights' copies are stale after it
     total_updates = cfg.max_steps * plan.optimizer_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(t.lr_scheduler, t.warmup_steps, total_updates)
@@ -231,6 +232,7 @@ def task_engine(cfg: Config, model: torch.nn.Module, tokenizer, model_path: str 
         chat_template=cfg.task.chat_template,
         system_prompt=cfg.task.system_prompt,
         model_path=model_path,
+        precision=resolve_precision(cfg.trainer.precision, next(model.parameters()).device),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from grpolab.precision import FP32, Precision
 from grpolab.rollout.base import (
     ENGINES,
     Rollout,
@@ -23,10 +24,12 @@ def build_engine(
     chat_template: bool = False,
     system_prompt: str | None = None,
     model_path: str | None = None,
+    precision: Precision = FP32,
 ) -> RolloutEngine:
     """The engine `cfg.engine` names. "hf" samples with `model` itself; "vllm" starts an
     engine from `model_path` (a Hugging Face directory; the trainer's model is saved to one
-    when None) and is kept in sync through `engine.sync_weights(model)`."""
+    when None) and is kept in sync through `engine.sync_weights(model)`. `precision`: what
+    the hf engine samples in (vLLM: the model's dtype)."""
     episodes = episode_setup(cfg, tokenizer, chat_template)
     if cfg.engine == "hf":
         from grpolab.rollout.hf import HFEngine
@@ -38,6 +41,8 @@ def build_engine(
             system_prompt=system_prompt,
             shared_prefill=cfg.shared_prefill,
             episodes=episodes,
+            precision=precision,
+            sync_tolerance=cfg.vllm_sync_tolerance,
         )
     if cfg.engine == "vllm":
         from grpolab.rollout.vllm import VLLMEngine

@@ -116,6 +116,7 @@ class RolloutConfig:
     vllm_enforce_eager: bool = False  # CPU always runs eager
     # After every weight sync a canary sequence's log-probs from engine and trainer are
     # compared; a larger max gap is an error. None: 1e-3 in float32, 0.1 in 16-bit; 0: off.
+    # The hf engine's bf16 copies (trainer.precision bf16) are checked against it too.
     vllm_sync_tolerance: float | None = None
     # Multi-turn episodes. Tools: plain functions with type hints and a docstring, as
     # "package.module:function" or "path/file.py:function"; or an environment class

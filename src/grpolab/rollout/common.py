@@ -8,7 +8,9 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from grpolab import core
 from grpolab.conversation import Conversation
+from grpolab.models import eval_mode
 from grpolab.rollout.base import Rollout, SamplingParams
 
 
@@ -248,3 +250,29 @@ def assemble_rollout(
 
 def _preview(text: str, width: int = 40) -> str:
     return repr(text if len(text) <= width else text[: width - 3] + "...")
+
+
+# --- The weight-sync canary ---------------------------------------------------------------------
+# An engine that samples from its own copy of the weights (vLLM; the HF engine's bf16 copies)
+# is checked after every sync: a canary sequence's log-probs from the engine and from the
+# trainer's model must agree to the copy's precision.
+CANARY_TEXT = "Canary 12+34=46; 7*8=56. The weights in both engines agree."
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's weights after a sync do not give the trainer's log-probs."""
+
+
+def default_sync_tolerance(dtype: str) -> float:
+    """The largest canary gap a sync may leave for an engine copy in `dtype`."""
+    return 1e-3 if dtype == "float32" else 0.1
+
+
+@torch.no_grad()
+def trainer_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """The trainer's log-prob of each token of `ids` after the first, temperature 1: [T-1]."""
+    input_ids = torch.tensor([ids], device=next(model.parameters()).device)  # [1, T]
+    ones = torch.ones_like(input_ids)
+    with eval_mode(model):
+        logp, _ = core.sequence_logprobs(model, input_ids, ones, ones)  # [1, T-1]
+    return logp[0].float().cpu()

