@@ -21,8 +21,8 @@ import torch
 from test_checks import CAUGHT_BY
 
 from grpolab import checks, core
-from grpolab.config import ConfigError, load_config
-from grpolab.functions import load_impl
+from grpolab.config import ConfigError, load_config, skips_zero_advantage
+from grpolab.functions import core_functions, load_impl
 from grpolab.models import build_char_tokenizer, build_tiny_model
 from grpolab.rollout import SamplingParams
 from grpolab.rollout.hf import HFEngine
@@ -116,6 +116,7 @@ class Batches:
         self.tokenizer = build_char_tokenizer()
         self.model = build_tiny_model(self.tokenizer, seed=0)
         self.engine = HFEngine(self.model, self.tokenizer)
+        self.model64 = None  # the float64 copy the gradient checks compare with
         self.cache: dict[tuple[int, float], checks.PreflightBatch] = {}
 
     def get(self, G: int, temperature: float) -> checks.PreflightBatch:
@@ -142,12 +143,28 @@ def false_alarms(batches: Batches, cfg) -> list[tuple[str, float, str]]:
     s = settings_from_config(cfg)
     batch = batches.get(cfg.trainer.num_generations, cfg.rollout.temperature)
     results = checks.run_checks(batches.model, batch, s)
+    results += gradient_checks(batches, cfg, batch, s)
     # rewards.variance reads the task's rewards, not the functions: not a claim about them.
     return [
         (r.id, r.measured, r.expected)
         for r in results
         if not r.passed and r.id != "rewards.variance"
     ]
+
+
+def gradient_checks(batches: Batches, cfg, batch, s) -> list:
+    """The preflight's float64 gradient checks on grpolab's functions as the trainer would
+    run them: split.gradient_invariance, and update.skip_invariance where rows are skipped."""
+    from grpolab.preflight import check_skip_invariance, check_split_invariance, float64_copy
+
+    if batches.model64 is None:
+        batches.model64 = float64_copy(batches.model)
+    functions = core_functions(cfg.trainer.logprobs, cfg.trainer.shared_prefix)
+    args = (functions, batches.model, batch, s, batches.model64)
+    results = list(check_split_invariance(*args))
+    if skips_zero_advantage(cfg):
+        results += list(check_skip_invariance(*args))
+    return results
 
 
 @pytest.fixture(scope="module")
