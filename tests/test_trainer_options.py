@@ -113,14 +113,16 @@ def test_precision_takes_auto_fp32_or_bf16_and_autocast_is_its_older_name():
         load_config(None, ["trainer.autocast=off", "trainer.precision=bf16"])
 
 
-def test_auto_precision_is_bf16_exactly_where_the_device_has_bf16_matrix_units():
-    """auto follows the hardware (AMX on a CPU, native bf16 on a GPU); fp32 and bf16 are kept
-    as given. Never bf16 on a CPU without AMX tiles, where bf16 would be emulated and slower."""
+def test_auto_precision_is_bf16_exactly_where_the_device_multiplies_bf16_natively():
+    """auto follows the hardware (AMX or AVX512-BF16 on a CPU, native bf16 on a GPU); fp32 and
+    bf16 are kept as given. Never bf16 on a CPU with neither, where bf16 would be emulated."""
     cpu = torch.device("cpu")
     amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    avx512_bf16 = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
     auto = resolve_precision("auto", cpu)
-    assert auto.name == ("bf16" if amx else "fp32")
-    assert auto.reason.startswith("auto: ") and ("AMX" in auto.reason)
+    assert auto.name == ("bf16" if amx or avx512_bf16 else "fp32")
+    named = "AMX" if amx else "AVX512-BF16" if avx512_bf16 else "neither AMX nor AVX512-BF16"
+    assert auto.reason.startswith("auto: ") and named in auto.reason
     assert resolve_precision("fp32", cpu).name == "fp32"
     assert resolve_precision("bf16", cpu).name == "bf16"
     assert load_config(None, []).trainer.precision == "fp32"  # the demo's numbers everywhere

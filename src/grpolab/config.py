@@ -179,10 +179,10 @@ class TrainerConfig:
     torch_compile: bool = False
     # auto | fp32 | bf16 (grpolab.precision): bf16 runs the training forwards under bf16
     # autocast (matmuls in bfloat16, log-softmax still float32) while weights, gradients and
-    # AdamW stay in model.dtype (fp32 master); auto is bf16 where the device has bf16 matrix
-    # units (a CUDA GPU with bf16, a CPU with AMX), fp32 elsewhere. The default stays fp32:
-    # a tiny model's matmuls are too small to gain, and the demo's numbers stay the same on
-    # every machine; the real-model example sets auto.
+    # AdamW stay in model.dtype (fp32 master); auto is bf16 where the device multiplies bf16
+    # natively (a CUDA GPU with bf16, a CPU with AMX or AVX512-BF16), fp32 elsewhere. The
+    # default stays fp32: a tiny model's matmuls are too small to gain, and the demo's numbers
+    # stay the same on every machine; the real-model example sets auto.
     precision: str = "fp32"
     # The older name: off = precision fp32, bf16 = precision bf16 (null: not given).
     autocast: str | None = None

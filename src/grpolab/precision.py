@@ -5,11 +5,12 @@
     bf16  the training forwards' matmuls (loss, old and reference log-probs) in bfloat16
           under autocast; weights, gradients, AdamW state and every log-softmax stay float32.
           The rollout engine samples in the model's own dtype (model.dtype).
-    auto  bf16 where the device has bf16 matrix units, fp32 elsewhere
+    auto  bf16 where the device multiplies bf16 natively, fp32 elsewhere
 
 bf16 pays only where the hardware multiplies bf16 natively: a CUDA GPU with bf16 (Ampere and
-later), or a CPU with AMX tiles (Intel Sapphire Rapids and later), where a bf16 matmul runs
-~10x a float32 one. Elsewhere (AVX2 or AVX-512 without AMX) bf16 is converted to float32 for
+later), a CPU with AMX tiles (Intel Sapphire Rapids and later: a bf16 matmul ~6-10x a float32
+one) or with AVX512-BF16 dot products (AMD Zen 4 and later, Intel Cooper Lake: ~4-7x, measured
+in bench/README.md). Elsewhere (AVX2, or AVX-512 without BF16) bf16 is converted to float32 for
 each matmul and runs slower than fp32, so `auto` must pick fp32 there.
 """
 
@@ -45,11 +46,17 @@ def bf16_matrix_units(device: torch.device) -> tuple[bool, str]:
             return True, f"{torch.cuda.get_device_name(device)} has bf16 tensor cores"
         return False, f"{torch.cuda.get_device_name(device)} has no native bf16"
     if device.type == "cpu":
-        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-        if amx is not None and amx():
+        if _cpu_has("_is_amx_tile_supported"):
             return True, "the CPU has AMX bf16 tiles"
-        return False, "the CPU has no AMX tiles (bf16 would be emulated in float32, slower)"
+        if _cpu_has("_is_avx512_bf16_supported"):
+            return True, "the CPU has AVX512-BF16 dot products"
+        return False, "the CPU has neither AMX nor AVX512-BF16 (bf16 would be emulated, slower)"
     return False, f"no bf16 detection for device type {device.type!r}"
+
+
+def _cpu_has(probe: str) -> bool:
+    found = getattr(torch.cpu, probe, None)  # private probes: absent in some torch builds
+    return bool(found is not None and found())
 
 
 def resolve_precision(setting: str, device: torch.device) -> Precision:
