@@ -63,6 +63,7 @@ def test_round_trip_through_yaml(tmp_path):
         (["trainer.report_to=mlflow"], "trainer.report_to"),
         (["rollout.temperature=0"], "rollout.temperature"),
         (["rollout.engine=sglang"], "rollout.engine"),
+        (["rollout.sampler=gumbel"], "rollout.sampler"),
         (["max_steps=-1"], "max_steps"),
         (["trainer=3"], "trainer"),
         (["trainer.learning_rate"], "trainer.learning_rate"),
@@ -244,6 +245,7 @@ INERT_CASES = [
     ["rollout.vllm_enforce_eager=true"],
     ["rollout.vllm_sync_tolerance=0.01"],
     ["rollout.shared_prefill=false", "rollout.engine=vllm"],
+    ["rollout.sampler=inverse_cdf", "rollout.engine=vllm"],
     ["rollout.max_turns=2"],
     ["rollout.max_episode_tokens=64"],
     ["rollout.tools=[x.py:f]", "rollout.environment=y.py:Env"],
@@ -310,6 +312,9 @@ def test_every_inert_rule_has_a_case():
         ["trainer.beta=0.04", "trainer.kl_clamp=10"],  # acts with a KL term
         ["trainer.lora_r=8", "trainer.lora_alpha=32"],
         ["rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0.5"],
+        ["trainer.precision=bf16", "rollout.vllm_sync_tolerance=0.01"],  # the hf bf16 copies
+        ["trainer.precision=auto", "rollout.vllm_sync_tolerance=0.01"],
+        ["rollout.sampler=inverse_cdf"],
     ],
 )
 def test_keys_that_act_or_equal_their_baseline_load(overrides):

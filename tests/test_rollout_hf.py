@@ -9,6 +9,7 @@ from tolerances import logprob_tolerance
 from grpolab import core
 from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
 from grpolab.rollout import SamplingParams
+from grpolab.rollout.common import SAMPLERS
 from grpolab.rollout.hf import HFEngine
 
 PROMPTS = ["37+48=", "5+6=", "a longer prompt here:"]
@@ -74,8 +75,12 @@ def test_shapes_groups_and_masks(model, tokenizer):
         SamplingParams(max_completion_length=12, seed=1),
         SamplingParams(max_completion_length=12, seed=2, temperature=0.7, top_k=5, top_p=0.9),
         SamplingParams(max_completion_length=12, seed=3, temperature=1.3, top_p=0.5),
+        SamplingParams(max_completion_length=12, seed=4, sampler="inverse_cdf"),
+        SamplingParams(
+            max_completion_length=12, seed=5, temperature=0.7, top_k=5, sampler="inverse_cdf"
+        ),
     ],
-    ids=["t1", "t0.7-topk-topp", "t1.3-topp"],
+    ids=["t1", "t0.7-topk-topp", "t1.3-topp", "inverse_cdf", "inverse_cdf-topk"],
 )
 def test_engine_logprobs_equal_sequence_logprobs(model, tokenizer, params):
     r = HFEngine(model, tokenizer).generate(PROMPTS, 3, params)
@@ -99,6 +104,28 @@ def test_top_k_truncates_sampling_but_not_the_reported_distribution(model, token
     assert torch.equal(r.input_ids, greedy.input_ids)  # top_k=1 samples the argmax
     # ...but the log-probs are of the full softmax: below 0, not the truncated 0.
     assert (r.engine_logprobs[r.completion_mask[:, 1:].bool()] < 0).all()
+
+
+@pytest.mark.parametrize("sampler", sorted(SAMPLERS))
+def test_each_sampler_draws_the_distribution_and_never_a_zero(sampler):
+    """200k draws from one distribution with zeros first, inside and last (what top-k / top-p
+    leave): each frequency within 6 binomial standard deviations of its probability (a false
+    alarm about once in 10^8 per entry), the zeros never drawn, the same draws for the same
+    seed."""
+    p = torch.tensor([0.0, 0.3, 0.0, 0.05, 0.4, 1e-3, 0.249, 0.0, 0.0])  # sums to 1
+    n = 200_000
+    draw = SAMPLERS[sampler]
+    tokens = draw(p.expand(n, -1), torch.Generator().manual_seed(0))
+    assert tokens.shape == (n,) and tokens.dtype == torch.long
+    frequency = torch.bincount(tokens, minlength=p.numel()).double() / n
+    assert (frequency[p == 0] == 0).all()
+    sigma = (p.double() * (1 - p.double()) / n).sqrt()
+    assert ((frequency - p.double()).abs() <= 6 * sigma).all(), (frequency, p)
+    again = draw(p.expand(n, -1), torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, again)
+    # Unnormalised rows (a softmax's sum is 1 only to rounding) draw the same distribution.
+    scaled = draw(3 * p.expand(64, -1), torch.Generator().manual_seed(1))
+    assert torch.equal(scaled, draw(p.expand(64, -1), torch.Generator().manual_seed(1)))
 
 
 def test_seeded_reproducible_and_global_rng_untouched(model, tokenizer):

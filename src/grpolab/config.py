@@ -36,7 +36,7 @@ from grpolab.functions import LOGPROB_PATHS
 from grpolab.models import PACKAGED_MODELS
 from grpolab.precision import PRECISIONS
 from grpolab.rewards import BUILTIN_REWARDS, RewardsConfig  # each section lives with its module
-from grpolab.rollout import ENGINES, RolloutConfig
+from grpolab.rollout import ENGINES, SAMPLERS, RolloutConfig
 from grpolab.tasks import TaskConfig
 
 
@@ -672,6 +672,7 @@ def validate_values(cfg: Config) -> None:
         _need(bool(t.lora_target_modules), "trainer.lora_target_modules", [], "module names")
     r = cfg.rollout
     _need(r.engine in ENGINES, "rollout.engine", r.engine, f"one of {list(ENGINES)}")
+    _need(r.sampler in SAMPLERS, "rollout.sampler", r.sampler, f"one of {list(SAMPLERS)}")
     # Training samples at temperature > 0 (0 is greedy: no spread within a group).
     _need(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0")
     mcl = r.max_completion_length
@@ -729,8 +730,9 @@ def _gguf_source(m: ModelConfig) -> bool:
     return name in PACKAGED_MODELS or bool(m.gguf_file) or name.lower().endswith(".gguf")
 
 
+# vllm_sync_tolerance also holds the hf engine's bf16 copies, so it has a rule of its own.
 VLLM_KEYS = tuple(f"rollout.{f.name}" for f in dataclasses.fields(RolloutConfig)
-                  if f.name.startswith("vllm_"))  # fmt: skip
+                  if f.name.startswith("vllm_") and f.name != "vllm_sync_tolerance")  # fmt: skip
 MONITOR_KEYS = tuple(f"trainer.{f.name}" for f in dataclasses.fields(TrainerConfig)
                      if f.name.startswith("monitor_"))  # fmt: skip
 LORA_KEYS = ("trainer.lora_alpha", "trainer.lora_dropout", "trainer.lora_target_modules")
@@ -749,7 +751,12 @@ INERT = (
           "the KL term and the entropy bonus read every row, so none is skipped"),
     Inert(VLLM_KEYS, ("rollout.engine",), lambda c: c.rollout.engine != "vllm",
           "with rollout.engine={c.rollout.engine}: it configures the vLLM engine"),
-    Inert(("rollout.shared_prefill",), ("rollout.engine",), lambda c: c.rollout.engine == "vllm",
+    Inert(("rollout.vllm_sync_tolerance",), ("rollout.engine", "trainer.precision"),
+          lambda c: c.rollout.engine != "vllm" and c.trainer.precision == "fp32",
+          "with rollout.engine={c.rollout.engine} and trainer.precision=fp32: the engine "
+          "samples with the trainer's own weights, there is no copy to check"),
+    Inert(("rollout.shared_prefill", "rollout.sampler"), ("rollout.engine",),
+          lambda c: c.rollout.engine == "vllm",
           "with rollout.engine=vllm: it configures the hf engine's decode loop"),
     Inert(("rollout.max_turns", "rollout.max_episode_tokens"),
           ("rollout.tools", "rollout.environment"), lambda c: not c.rollout.episodic,
@@ -966,6 +973,7 @@ RESUME_FREE_KEYS = (
     "trainer.shared_prefix",
     "trainer.skip_zero_advantage",
     "rollout.shared_prefill",
+    "rollout.sampler",
     "trainer.save_steps",
     "trainer.save_total_limit",
     "trainer.eval_steps",

@@ -13,6 +13,7 @@ from grpolab.rollout.base import (
     SamplingParams,
     Turn,
 )
+from grpolab.rollout.common import SAMPLERS
 from grpolab.rollout.episodes import EpisodeFunctions, EpisodeSetup
 from grpolab.rollout.tools import environment_factory, load_tools
 
@@ -77,6 +78,7 @@ def episode_setup(cfg: RolloutConfig, tokenizer, chat_template: bool) -> Episode
 
 __all__ = [
     "ENGINES",
+    "SAMPLERS",
     "EpisodeFunctions",
     "EpisodeSetup",
     "Rollout",

@@ -14,6 +14,26 @@ from grpolab.models import eval_mode
 from grpolab.rollout.base import Rollout, SamplingParams
 
 
+def draw_multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of probs [n, V] -> [n] long: torch.multinomial, which draws an
+    exponential per entry and takes argmax(p / q)."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def draw_inverse_cdf(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of probs [n, V] -> [n] long, distributed as probs: the first index
+    whose float64 cumulative sum exceeds a uniform draw in [0, total). An entry of
+    probability 0 is never drawn (its cumulative sum equals its predecessor's, and u >= 0)."""
+    cumulative = probs.double().cumsum(dim=-1)  # [n, V]; float64: 49k float32 terms stay exact
+    total = cumulative[:, -1:]  # [n, 1]
+    uniform = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    u = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, u, right=True).squeeze(-1)
+
+
+SAMPLERS = {"multinomial": draw_multinomial, "inverse_cdf": draw_inverse_cdf}
+
+
 def check_sampling(num_generations: int, params: SamplingParams) -> None:
     if isinstance(num_generations, bool) or not isinstance(num_generations, int):
         raise ValueError(f"num_generations must be an int, got {num_generations!r}")
@@ -25,6 +45,8 @@ def check_sampling(num_generations: int, params: SamplingParams) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    if params.sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {list(SAMPLERS)}, got {params.sampler!r}")
     if params.max_completion_length < 1:
         raise ValueError(f"max_completion_length must be >= 1, got {params.max_completion_length}")
 

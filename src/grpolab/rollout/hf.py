@@ -27,6 +27,7 @@ from grpolab.precision import FP32, Precision, autocast, forget_casts
 from grpolab.rollout.base import Rollout, SamplingParams
 from grpolab.rollout.common import (
     CANARY_TEXT,
+    SAMPLERS,
     WeightSyncError,
     assemble_rollout,
     checked_prompt_ids,
@@ -294,7 +295,7 @@ def sample_next(
     scaled = logits / params.temperature  # [n, V]
     logp = torch.log_softmax(scaled, dim=-1)
     kept = truncate(scaled, params.top_k, params.top_p)
-    tokens = torch.multinomial(torch.softmax(kept, dim=-1), 1, generator=generator).squeeze(-1)
+    tokens = SAMPLERS[params.sampler](torch.softmax(kept, dim=-1), generator)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
