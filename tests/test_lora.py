@@ -15,9 +15,9 @@ pytest.importorskip("peft")
 from grpolab import core
 from grpolab.checkpoint import ADAPTER_DIR, save_checkpoint
 from grpolab.config import ConfigError, load_config, validate_world
-from grpolab.models import load_policy
+from grpolab.models import is_lora, load_policy
 from grpolab.preflight import preflight
-from grpolab.setup import build_run, is_lora, load_start_model
+from grpolab.setup import build_run, load_start_model
 from grpolab.step import grpo_step
 from grpolab.trainer import train
 

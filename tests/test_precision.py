@@ -4,6 +4,7 @@ stale one, and the preflight holds a bf16 engine to a plain bf16 forward's error
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -129,3 +130,88 @@ def test_preflight_passes_in_bf16_and_holds_the_engine_to_plain_bf16(tmp_path):
     agreement = checks["engine.agreement"]
     assert "plain bf16 autocast forward" in agreement["expected"]
     assert agreement["measured"] > 0  # a bf16 engine against the float32 trainer: not exact
+
+
+def lora_engine():
+    """A tiny LoRA model whose adapters are not zero (peft starts B at 0), its bf16 engine."""
+    pytest.importorskip("peft")
+    from grpolab.config import load_config
+    from grpolab.setup import wrap_lora
+
+    model, tokenizer, _ = tiny_engine()
+    model = wrap_lora(model, load_config(None, ["trainer.lora_r=4"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    return model, tokenizer, HFEngine(model, tokenizer, precision=BF16)
+
+
+def canary_logprobs(model, ids, context) -> torch.Tensor:
+    input_ids = torch.tensor([ids])
+    with torch.no_grad(), context:
+        logits = model(input_ids=input_ids).logits[0, :-1].double()
+    return torch.log_softmax(logits, -1).gather(-1, input_ids[0, 1:, None])[:, 0]
+
+
+def test_a_lora_engine_samples_from_merged_bf16_copies_as_close_to_float64_as_plain_bf16():
+    """Under bf16 a LoRA model's engine multiplies bf16(W + scaling * B @ A), one matmul per
+    linear: each copy is that sum rounded once, its log-probs no further from the float64
+    model's than the trainer's own bf16 forward is (the preflight's bound), the adapters are
+    back on afterwards, and fp32 merges nothing."""
+    import copy
+
+    from grpolab.checks import precision_tolerance
+    from grpolab.models import lora_layers
+
+    model, tokenizer, engine = lora_engine()
+    copies = engine.merged_copies(model)
+    layers = [layer for _, layer in lora_layers(model)]
+    assert copies is not None and len(copies) == len(layers) > 0
+    for layer in layers:
+        (adapter,) = layer.active_adapters
+        exact = layer.base_layer.weight.double() + layer.scaling[adapter] * (
+            layer.lora_B[adapter].weight.double() @ layer.lora_A[adapter].weight.double()
+        )
+        copy_ = copies[layer.base_layer.weight]
+        assert copy_.dtype == torch.bfloat16
+        # One rounding to bf16 (half an ulp), after float32 arithmetic (a few float32 ulps).
+        ulp = torch.finfo(torch.bfloat16).eps * exact.abs()
+        assert ((copy_.double() - exact).abs() <= ulp + 1e-6 * exact.abs().max()).all()
+
+    ids = list(tokenizer("12+34=46 and 7*8=56", add_special_tokens=True)["input_ids"])
+    reference = canary_logprobs(copy.deepcopy(model).double(), ids, contextlib.nullcontext())
+    plain = canary_logprobs(model, ids, autocast(BF16, CPU))
+    merged = canary_logprobs(model, ids, engine.sampling_context())
+    plain_err = float((plain - reference).abs().max())
+    merged_err = float((merged - reference).abs().max())
+    assert merged_err > 0  # bf16 copies: not the float64 model
+    bound = precision_tolerance(plain_err, float(reference.abs().max()), torch.bfloat16)
+    assert merged_err <= bound, (merged_err, plain_err)
+    assert not any(layer.disable_adapters for layer in layers)  # the adapters back on
+    engine.generate(["12+34="], 2, SamplingParams(max_completion_length=4))
+    assert not any(layer.disable_adapters for layer in layers)
+    assert HFEngine(model, tokenizer).merged_copies(model) is None  # fp32: nothing merged
+
+
+def test_a_lora_engines_merged_copies_follow_each_update_and_the_canary_catches_a_stale_one():
+    model, _, engine = lora_engine()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=0.1)
+    forget_casts_on_step(optimizer)
+    engine.sync_weights(model)
+    assert engine.last_sync_gap == 0.0
+    before = {id(w): c.clone() for w, c in engine.merged_copies(model).items()}
+    sum(p.sum() for p in trained).backward()
+    optimizer.step()  # fused or not, the hook marks every copy stale
+    after = engine.merged_copies(model)
+    assert all(not torch.equal(before[id(w)], c) for w, c in after.items())
+    engine.sync_weights(model)
+    assert engine.last_sync_gap == 0.0
+    with torch.no_grad():  # an update nothing saw: the merged copies are stale
+        for p in trained:
+            p.data.mul_(1.5)
+    with pytest.raises(WeightSyncError, match="stale bf16 copy"):
+        engine.check_sync(model)
+    engine.sync_weights(model)
+    assert engine.last_sync_gap == 0.0

@@ -23,8 +23,8 @@ import yaml
 
 from grpolab import dist as dist_module
 from grpolab.config import Config, run_changes, to_yaml
-from grpolab.models import load_policy, save_policy
-from grpolab.setup import Run, is_lora
+from grpolab.models import is_lora, load_policy, save_policy
+from grpolab.setup import Run
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 # Written last, inside the temporary directory, before the rename: the step and the size and

@@ -69,16 +69,22 @@ def resolve_precision(setting: str, device: torch.device) -> Precision:
     return Precision("bf16" if native else "fp32", f"auto: {found}")
 
 
-def autocast(precision: Precision, device: torch.device, cached: bool = True):
+def autocast(
+    precision: Precision,
+    device: torch.device,
+    cached: bool = True,
+    substitutes: WeakIdKeyDictionary | None = None,
+):
     """bf16 matmuls for a forward (weights and optimizer stay in the model's dtype, each
     linear weight's bf16 copy cached: `cached_cast`), or nothing under fp32. cached=False:
     every weight cast afresh, the same values when the copies are current (the canary's
-    reference)."""
+    reference). `substitutes`: weight -> the bf16 tensor a linear on it multiplies instead
+    (the rollout engine's LoRA-merged copies)."""
     if not precision.bf16:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast(device_type=device.type, dtype=torch.bfloat16))
-    stack.enter_context(_Bf16Forward(torch.bfloat16, device.type, cached))
+    stack.enter_context(_Bf16Forward(torch.bfloat16, device.type, cached, substitutes))
     return stack
 
 
@@ -93,6 +99,7 @@ def autocast(precision: Precision, device: torch.device, cached: bool = True):
 # round-to-nearest cast of the same float32 weight.
 
 _CASTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> ((version, ptr, dtype), copy)
+_FORGOTTEN = [0]  # how many times copies were dropped: a copy made before a drop is stale
 
 
 class _CastKeepingGradient(torch.autograd.Function):
@@ -129,8 +136,15 @@ def cached_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def forget_casts(params) -> None:
     """Drop the cached copies of `params` (after an update wrote them)."""
+    _FORGOTTEN[0] += 1
     for p in params:
         _CASTS.pop(p, None)
+
+
+def casts_forgotten() -> int:
+    """A counter that moves whenever `forget_casts` runs: a copy derived from weights (the
+    engine's merged ones) is current while the counter is where it was when it was made."""
+    return _FORGOTTEN[0]
 
 
 def forget_casts_on_step(optimizer: torch.optim.Optimizer) -> None:
@@ -155,16 +169,17 @@ class _Bf16Forward(TorchFunctionMode):
     `dtype` copy (autocast then casts only the activations), and short attention on the CPU
     runs in float32."""
 
-    def __init__(self, dtype: torch.dtype, device_type: str, cached: bool = True):
+    def __init__(self, dtype, device_type: str, cached: bool = True, substitutes=None):
         super().__init__()
         self.dtype, self.device_type, self.cached = dtype, device_type, cached
+        self.substitutes = substitutes
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not torch.is_autocast_enabled(self.device_type):  # a region that turned it off
             return func(*args, **kwargs)
         if func is torch._C._nn.linear:
-            args, kwargs = _linear_args(args, kwargs, self.dtype, self.cached)
+            args, kwargs = _linear_args(args, kwargs, self.dtype, self.cached, self.substitutes)
         elif func is torch._C._nn.scaled_dot_product_attention and self._short_on_cpu(args):
             with torch.autocast(self.device_type, enabled=False):  # masks too, if additive
                 return func(*map(_float32, args), **{n: _float32(a) for n, a in kwargs.items()})
@@ -185,18 +200,22 @@ def _float32(value):
     return value
 
 
-def _linear_args(args: tuple, kwargs: dict, dtype: torch.dtype, cached: bool):
+def _linear_args(args: tuple, kwargs: dict, dtype: torch.dtype, cached: bool, substitutes):
     # A strided input (the last position's hidden states, [n, 1, H] of [n, P, H]) would make
     # matmul expand the weight to [n, H, V] and copy it (1 s for a 49k-token head); autocast
     # copies the input anyway, so contiguous first costs nothing.
     if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 3:
         args = (args[0].contiguous(), *args[1:])
-    if not cached:
+    positional = len(args) >= 2
+    weight = args[1] if positional else kwargs.get("weight")
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32:
         return args, kwargs
-    if len(args) >= 2:
-        weight = args[1]
-        if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
-            args = (args[0], cached_cast(weight, dtype), *args[2:])
-    elif "weight" in kwargs and kwargs["weight"].dtype == torch.float32:
-        kwargs = {**kwargs, "weight": cached_cast(kwargs["weight"], dtype)}
-    return args, kwargs
+    if substitutes is not None and weight in substitutes:
+        low = substitutes[weight]
+    elif cached:
+        low = cached_cast(weight, dtype)
+    else:
+        return args, kwargs
+    if positional:
+        return (args[0], low, *args[2:]), kwargs
+    return args, {**kwargs, "weight": low}

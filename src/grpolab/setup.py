@@ -364,11 +364,6 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     return len(parts)
 
 
-def is_lora(model: torch.nn.Module) -> bool:
-    """A peft model (checked without importing peft, an optional dependency)."""
-    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
-
-
 def lora_config(cfg: Config):
     """peft's LoraConfig for trainer.lora_*: the adapters grpolab trains (and what a peer
     trainer is given to train the same ones)."""

@@ -3,6 +3,7 @@ per-sample token lists (so that each engine only has to produce tokens and log-p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -22,13 +23,32 @@ def draw_multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch.T
 
 def draw_inverse_cdf(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One index per row of probs [n, V] -> [n] long, distributed as probs: the first index
-    whose float64 cumulative sum exceeds a uniform draw in [0, total). An entry of
-    probability 0 is never drawn (its cumulative sum equals its predecessor's, and u >= 0)."""
-    cumulative = probs.double().cumsum(dim=-1)  # [n, V]; float64: 49k float32 terms stay exact
-    total = cumulative[:, -1:]  # [n, 1]
-    uniform = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
-    u = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cumulative, u, right=True).squeeze(-1)
+    whose cumulative sum exceeds a uniform draw u in [0, total). In two levels, so that no
+    [n, V] temporary is made (on a CPU each new 25 MB buffer costs more in page faults than
+    the arithmetic): blocks of about sqrt(V) entries, the block whose float64 cumulative sum
+    passes u, then the entry within it that passes what is left of u. An entry or block of
+    probability 0 is never drawn (its cumulative sum equals its predecessor's)."""
+    n, V = probs.shape
+    width = max(1, math.isqrt(V))
+    full = V // width * width
+    sums = [probs[:, :full].reshape(n, -1, width).sum(-1, dtype=torch.float64)]  # [n, V // w]
+    if full < V:
+        sums.append(probs[:, full:].sum(-1, keepdim=True, dtype=torch.float64))
+    blocks = torch.cat(sums, dim=1).cumsum(dim=1)  # [n, blocks]
+    u = torch.rand((n, 1), generator=generator, dtype=torch.float64, device=probs.device)
+    u = below(u * blocks[:, -1:], blocks[:, -1:])  # [n, 1]
+    block = torch.searchsorted(blocks, u, right=True)  # [n, 1]
+    before = torch.where(block > 0, blocks.gather(1, (block - 1).clamp(min=0)), 0.0)
+    columns = block * width + torch.arange(width, device=probs.device)  # [n, w]
+    inside = probs.gather(1, columns.clamp(max=V - 1)).double()
+    inside = inside.masked_fill(columns >= V, 0.0).cumsum(dim=1)  # [n, w]
+    rest = below(u - before, inside[:, -1:])  # >= 0: before <= u
+    return (block * width + torch.searchsorted(inside, rest, right=True)).squeeze(-1)
+
+
+def below(value: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """`value` kept strictly under `bound` (where rounding took it to the bound)."""
+    return torch.minimum(value, torch.nextafter(bound, torch.zeros_like(bound)))
 
 
 SAMPLERS = {"multinomial": draw_multinomial, "inverse_cdf": draw_inverse_cdf}

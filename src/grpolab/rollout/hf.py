@@ -16,14 +16,24 @@ computes. Only one [rows, V] distribution exists at a time.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from grpolab.core import position_ids
-from grpolab.models import base_model, eval_mode, plain_kv_cache
-from grpolab.precision import FP32, Precision, autocast, forget_casts
+from grpolab.models import (
+    base_model,
+    eval_mode,
+    is_lora,
+    lora_layers,
+    merged_lora_weight,
+    plain_kv_cache,
+    plain_lora,
+)
+from grpolab.precision import FP32, Precision, autocast, casts_forgotten, forget_casts
 from grpolab.rollout.base import Rollout, SamplingParams
 from grpolab.rollout.common import (
     CANARY_TEXT,
@@ -49,9 +59,12 @@ class HFEngine:
     so `sync_weights` of that same model is a no-op in float32.
 
     Under bf16 precision it samples under bf16 autocast from its own bf16 copy of each weight
-    (`precision.cached_cast`: cast once, not per decode step). `sync_weights` drops the
-    trained weights' copies (the next forward casts the updated ones) and checks them with
-    the canary, as the vLLM engine does (`check_sync`)."""
+    (`precision.cached_cast`: cast once, not per decode step). A LoRA model samples from its
+    adapters merged into bf16 copies of the base weights (W + scaling * B @ A, rounded once;
+    the adapters switched off meanwhile), as vLLM is given them: one matmul per linear
+    instead of three, and no casts between them. `sync_weights` drops the trained weights'
+    copies (the next forward casts or merges the updated ones) and checks them with the
+    canary, as the vLLM engine does (`check_sync`)."""
 
     def __init__(
         self,
@@ -71,6 +84,7 @@ class HFEngine:
             default_sync_tolerance("float32") if sync_tolerance is None else sync_tolerance
         )
         self.last_sync_gap: float | None = None  # bf16: the latest sync's canary gap
+        self._merged: tuple[int, WeakIdKeyDictionary] | None = None  # (made at, copies)
         self.episodes = episodes  # None: single-turn
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -88,6 +102,40 @@ class HFEngine:
         if self.precision.bf16:
             forget_casts(p for p in self.model.parameters() if p.requires_grad)
             self.check_sync(model)
+
+    def sampling_context(self, model: torch.nn.Module | None = None, fresh: bool = False):
+        """The context every forward of this engine runs in: eval mode, its precision, and
+        for a LoRA model under bf16 the merged copies with the adapters off. fresh: every
+        copy made anew from `model` (the canary's reference)."""
+        model = self.model if model is None else model
+        device = next(model.parameters()).device
+        stack = contextlib.ExitStack()
+        stack.enter_context(eval_mode(model))
+        merged = self.merged_copies(model, fresh)
+        stack.enter_context(autocast(self.precision, device, cached=not fresh, substitutes=merged))
+        if merged is not None:
+            stack.enter_context(model.disable_adapter())
+        return stack
+
+    def merged_copies(self, model: torch.nn.Module, fresh: bool = False):
+        """base weight -> bf16(W + its adapters) for each LoRA layer of `model` under bf16,
+        made again whenever trained weights' copies were dropped since (an update); None
+        where nothing is merged (fp32, no LoRA, a LoRA variant merging would change)."""
+        if not (self.precision.bf16 and is_lora(model)):
+            return None
+        layers = [layer for _, layer in lora_layers(model)]
+        if not layers or not all(plain_lora(layer) for layer in layers):
+            return None
+        current = self._merged is not None and self._merged[0] == casts_forgotten()
+        if current and model is self.model and not fresh:
+            return self._merged[1]
+        copies = WeakIdKeyDictionary()
+        with torch.no_grad():
+            for layer in layers:
+                copies[layer.base_layer.weight] = merged_lora_weight(layer).to(torch.bfloat16)
+        if model is self.model and not fresh:
+            self._merged = (casts_forgotten(), copies)
+        return copies
 
     @torch.no_grad()
     def check_sync(self, model: torch.nn.Module) -> float:
@@ -115,7 +163,7 @@ class HFEngine:
         precision, temperature 1: [T-1] float32."""
         device = next(model.parameters()).device
         input_ids = torch.tensor([ids], device=device)  # [1, T]
-        with eval_mode(model), autocast(self.precision, device, cached=cached):
+        with self.sampling_context(model, fresh=not cached):
             logits = model(input_ids=input_ids).logits[0, :-1].float()  # [T-1, V]
         logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None])[:, 0]
         return logp.cpu()
@@ -131,7 +179,7 @@ class HFEngine:
             return self._generate_episodes(
                 prompts, prompt_ids, input_ids, attention_mask, G, params
             )
-        with eval_mode(self.model), autocast(self.precision, device):
+        with self.sampling_context():
             completions, logprobs = decode(
                 self.model,
                 input_ids.to(device),
@@ -183,7 +231,7 @@ class HFEngine:
         device = next(self.model.parameters()).device
         rows, _ = self.episodes.new_rows(prompts, G, params, self.tokenizer, self.stop_ids, factory)
         may_stop = stop_string_tokens(self.tokenizer, rows[0].stop_strings)
-        with eval_mode(self.model), autocast(self.precision, device):
+        with self.sampling_context():
             decode_episodes(
                 self.model,
                 input_ids.to(device),

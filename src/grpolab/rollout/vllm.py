@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from grpolab.models import base_model
+from grpolab.models import base_model, lora_layers, merged_lora_weight
 from grpolab.rollout.base import Rollout, RolloutConfig, SamplingParams
 from grpolab.rollout.common import (
     CANARY_TEXT,
@@ -144,14 +144,8 @@ def engine_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for name, tensor in base.state_dict().items()
         if "lora_" not in name
     }
-    for name, module in base.named_modules():
-        if not (hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")):
-            continue
-        if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
-            continue  # already inside the base weight / switched off
-        for adapter in module.active_adapters:
-            delta = module.get_delta_weight(adapter).detach().cpu()
-            merged[f"{name}.weight"] = merged[f"{name}.weight"] + delta
+    for name, layer in lora_layers(model):
+        merged[f"{name}.weight"] = merged_lora_weight(layer).cpu()
     return merged
 
 
