@@ -8,9 +8,10 @@ a copy of 512 MB (the memory bandwidth), scaled-dot-product attention forward + 
 several key lengths (why short attention on the CPU stays float32 under bf16).
 
 steps: `examples/smollm2-arithmetic.yaml` (SmolLM2-135M-Instruct, LoRA r16, 8 prompts x G=8,
-16 tokens), `--steps` trainer steps per setting, each setting in its own process, side by
-side in one run; the table shows the median of the steps after the first (warm-up) per phase
-(rollout, old log-probs, update). Every row is run (trainer.skip_zero_advantage=false), so
+16 tokens), `--steps` trainer steps per setting, each setting in its own process with the heap
+set as `grpolab train` sets it (`memory.fix_malloc_thresholds`), side by side in one run;
+the table shows the median of the steps after the first (warm-up) per phase (rollout, old
+log-probs, update). Every row is run (trainer.skip_zero_advantage=false), so
 the update's work is the same in both precisions; the rollout differs by what it samples
 (the completion tokens are in the table). `floor` is the step's matmul FLOPs at the matmul
 rate measured above and the decode's weight bytes at the measured bandwidth.
@@ -92,10 +93,12 @@ def bench_kernels() -> tuple[dict, list[dict]]:
 STEP_CHILD = """
 import json, sys, time, torch
 from grpolab.config import load_config
+from grpolab.memory import fix_malloc_thresholds
 from grpolab.setup import build_run, load_start_model
 from grpolab.step import grpo_step
 threads, steps, overrides = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 torch.set_num_threads(threads)
+fix_malloc_thresholds()  # as `grpolab train` runs its steps
 cfg = load_config(%r, overrides)
 model, tokenizer = load_start_model(cfg, torch.device("cpu"))
 run = build_run(cfg, model, tokenizer)
@@ -163,27 +166,36 @@ def model_params() -> dict:
     return {"body": body, "head": head}
 
 
+# (precision, rows per micro-batch, sampler): first the example as it was (the baseline every
+# ratio is against), then one change at a time, last the example as it is.
+SETTINGS = [
+    ("fp32", 8, "multinomial"),
+    ("fp32", 64, "inverse_cdf"),
+    ("bf16", 8, "inverse_cdf"),
+    ("bf16", 64, "inverse_cdf"),
+]
+
+
 def bench_steps(threads: int, steps: int, rates: dict) -> list[dict]:
     params = model_params()
     out = []
-    for precision in ("fp32", "bf16"):
+    for precision, micro_batch, sampler in SETTINGS:
         overrides = [
             f"trainer.precision={precision}",
+            f"trainer.gradient_accumulation_steps={64 // micro_batch}",
+            f"rollout.sampler={sampler}",
             "trainer.skip_zero_advantage=false",
             "task.num_eval=0",
             f"trainer.num_threads={threads}",
         ]
-        for accumulation in (8, 1):
-            result = run_steps(
-                threads, steps, [*overrides, f"trainer.gradient_accumulation_steps={accumulation}"]
-            )
-            later = result["steps"][1:] or result["steps"]
-            row = {"precision": result["precision"], "micro_batch": 64 // accumulation}
-            for key in ("rollout_s", "logprobs_s", "update_s", "step_s", "completion_tokens"):
-                row[key] = statistics.median(r[key] for r in later)
-            row["rollout_tokens_per_s"] = row["completion_tokens"] / row["rollout_s"]
-            row.update(floor_seconds(later[-1], rates, precision, params))
-            out.append(row)
+        result = run_steps(threads, steps, overrides)
+        later = result["steps"][1:] or result["steps"]
+        row = {"precision": result["precision"], "micro_batch": micro_batch, "sampler": sampler}
+        for key in ("rollout_s", "logprobs_s", "update_s", "step_s", "completion_tokens"):
+            row[key] = statistics.median(r[key] for r in later)
+        row["rollout_tokens_per_s"] = row["completion_tokens"] / row["rollout_s"]
+        row.update(floor_seconds(later[-1], rates, precision, params))
+        out.append(row)
     base = out[0]
     for row in out:
         row["step_vs_fp32_micro8"] = row["step_s"] / base["step_s"]

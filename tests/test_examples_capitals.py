@@ -26,3 +26,35 @@ def test_the_capitals_load_as_a_string_task():
     task = load_task(TaskConfig(name="jsonl", path=str(DATA), eval_fraction=0.3))
     assert task.answer_kind == "string", task.answer_kind_reason
     assert len(task.eval) == round(0.3 * (len(task.train) + len(task.eval)))
+
+
+def test_the_capitals_reward_pays_in_full_only_what_the_strict_judge_calls_right():
+    """examples/capitals_reward.py: 1 for the capital as the final answer, 0.2 for naming it
+    elsewhere, 0 otherwise; its full credit never goes to an answer the strict judge (which
+    the example's accuracy is) calls wrong."""
+    import importlib.util
+
+    from grpolab.strict import strict_equal
+
+    spec = importlib.util.spec_from_file_location(
+        "capitals_reward", ROOT / "examples" / "capitals_reward.py"
+    )
+    reward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reward)
+    cases = [
+        ("Madrid", 1.0),
+        ("The capital of Spain is Madrid. The answer is Madrid.", 1.0),
+        ("The answer is: **Madrid**", 1.0),
+        ("the answer is madrid", 1.0),
+        ("It is Madrid.", 0.2),
+        ("The answer is Madrid, a big city.", 0.2),
+        ("The answer is Barcelona. Not Madrid.", 0.2),
+        ("Madridista", 0.0),
+        ("The answer is Paris.", 0.0),
+        ("", 0.0),
+    ]
+    texts = [text for text, _ in cases]
+    got = reward.capital(completions=texts, answer=["Madrid"] * len(cases), prompts=texts)
+    assert got == [expected for _, expected in cases]
+    for text, paid in zip(texts, got, strict=True):
+        assert (paid == 1.0) == strict_equal(text, "Madrid", "string"), text

@@ -345,9 +345,9 @@ def exit_interrupted() -> None:
 
 def _main(argv: list[str] | None) -> int:
     from grpolab.jsonout import json_stdout
-    from grpolab.memory import limit_heap_retention
+    from grpolab.memory import fix_malloc_thresholds
 
-    limit_heap_retention()
+    fix_malloc_thresholds()
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(overrides_last(argv, parser))

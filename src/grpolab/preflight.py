@@ -45,6 +45,7 @@ from grpolab.memory import (
 )
 from grpolab.models import base_model, eval_mode
 from grpolab.monitors import limits_for
+from grpolab.precision import Precision, autocast
 from grpolab.rewards import score
 from grpolab.rewards.probes import probe_task
 from grpolab.rollout.common import encode_prompts
@@ -136,6 +137,25 @@ REFERENCE_ROWS = 4
 def float64_copy(model) -> torch.nn.Module:
     """The model in float64 for the references: 8 bytes a parameter, 16 with gradients."""
     return copy.deepcopy(model).double().eval()
+
+
+def in_precision(fn, precision: Precision):
+    """fn(model, ...) with its forward in the run's precision (under bf16 the autocast the
+    trainer's forwards run in): the checked and the plain path as training runs them, each
+    against the float64 copy."""
+    if not precision.bf16:
+        return fn
+
+    def run(model, *args, **kwargs):
+        with autocast(precision, next(model.parameters()).device):
+            return fn(model, *args, **kwargs)
+
+    return run
+
+
+def rounding_dtype(model, precision: Precision) -> torch.dtype:
+    """The type whose last place the checks' floor counts in: bf16 under bf16 precision."""
+    return torch.bfloat16 if precision.bf16 else next(model.parameters()).dtype
 
 
 def _trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -239,8 +259,10 @@ def accumulated_gradients(
         )  # fmt: skip
         return loss
 
+    logprobs = in_precision(impl.sequence_logprobs, s.precision)
+
     def loss_of_rows(rows) -> torch.Tensor:
-        logp, mask = impl.sequence_logprobs(model, *(a[rows] for a in args[:3]), o.temperature)
+        logp, mask = logprobs(model, *(a[rows] for a in args[:3]), o.temperature)
         return loss_of(logp, mask, rows)
 
     model64 = float64_copy(model) if model64 is None else model64
@@ -273,11 +295,12 @@ def check_split_invariance(
     whole, split = accumulated_gradients(
         impl, model, batch, s, advantages, parts, core.micro_batch_scale, model64
     )
-    tol = checks.precision_tolerance(whole, 1.0, next(model.parameters()).dtype)
+    tol = checks.precision_tolerance(whole, 1.0, rounding_dtype(model, s.precision))
     yield CheckResult(
         "split.gradient_invariance",
         0,
-        "max |grad(3 uneven micro-batches) - grad(one pass, float64 copy)| / max |grad|",
+        "max |grad(3 uneven micro-batches) - grad(one pass, float64 copy)| / max |grad|"
+        + (" (bf16 autocast)" if s.precision.bf16 else ""),
         split,
         checks.tolerance_text(tol, whole, "one pass"),
         split <= tol,
@@ -302,12 +325,13 @@ def check_skip_invariance(
     whole, skipped = accumulated_gradients(
         impl, model, batch, s, advantages, parts, impl.micro_batch_scale, model64
     )
-    tol = checks.precision_tolerance(whole, 1.0, next(model.parameters()).dtype)
+    tol = checks.precision_tolerance(whole, 1.0, rounding_dtype(model, s.precision))
     yield CheckResult(
         "update.skip_invariance",
         0,
         f"max |grad(the {len(kept)} of {B} rows with an advantage, in 2 micro-batches) - "
-        "grad(every row, one pass, float64 copy)| / max |grad|",
+        "grad(every row, one pass, float64 copy)| / max |grad|"
+        + (" (bf16 autocast)" if s.precision.bf16 else ""),
         skipped,
         checks.tolerance_text(tol, whole, "one pass"),
         skipped <= tol,
@@ -330,8 +354,9 @@ def check_fused_logprobs(model, batch: PreflightBatch, s: PreflightSettings, mod
 
     model64 = float64_copy(model) if model64 is None else model64
     paths = {"fused": trainers, "naive": core.sequence_logprobs}
+    paths = {name: in_precision(fn, s.precision) for name, fn in paths.items()}
     fused, naive = logprob_distances(model, model64, args, paths).values()
-    dtype = next(model.parameters()).dtype
+    dtype = rounding_dtype(model, s.precision)
     tol = checks.precision_tolerance(naive.logp, naive.logp_scale, dtype)
     grad_tol = checks.precision_tolerance(naive.grad, 1.0, dtype)
     reason = split_model(model).reason
@@ -339,6 +364,7 @@ def check_fused_logprobs(model, batch: PreflightBatch, s: PreflightSettings, mod
     if reason is None and s.shared_prefix:
         why_not = shared_prefix_status(model, *args[:3])
         path += ", one forward per prompt" if why_not is None else f", one per row ({why_not})"
+    path += ", bf16 autocast" if s.precision.bf16 else ""
     yield CheckResult(
         "logprobs.fused_vs_naive",
         0,

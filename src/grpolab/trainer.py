@@ -39,7 +39,7 @@ from grpolab.checkpoint import (
 from grpolab.config import Config, load_notes, to_dict, to_yaml
 from grpolab.core import CoreFunctions
 from grpolab.evaluate import accuracy_rewards, evaluate_greedy, evaluate_pass_at_k
-from grpolab.memory import limit_heap_retention, release_freed_memory
+from grpolab.memory import fix_malloc_thresholds, release_freed_memory
 from grpolab.monitors import (
     MonitorStop,
     NonFiniteError,
@@ -158,7 +158,7 @@ def start(
     wall_start = time.time()
     console = console or wide_console()
     transformers.utils.logging.disable_progress_bar()
-    limit_heap_retention()  # freed activations go back to the system, not to a growing heap
+    fix_malloc_thresholds()  # big buffers reused from the heap, not faulted in each time
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     device = dist_module.local_device(resolve_device(cfg.model.device))
