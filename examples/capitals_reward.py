@@ -1,8 +1,9 @@
 """The reward of examples/smollm2-capitals.yaml: 1 for the capital given as the final answer
-(after the last "answer is", or the whole completion), 0.2 for naming it anywhere else, 0
-otherwise. The partial credit is what makes the task learnable on a small chat model: it
-answers "The capital of Spain is Madrid." whatever it is asked, so the final-answer form is
-rare in its samples (1 % at T=1), while the capital itself is in about 40 % of them."""
+(after the last "answer is", or the whole completion), 0.1 for a final answer in that form
+that is another city, 0 otherwise. The small credit for the form is what makes the task
+learnable on a small chat model: it answers "The capital of Spain is Madrid." whatever it is
+asked, which the strict judge reads as no answer, and a credit for naming the capital in such
+a sentence teaches exactly that sentence (tried: held-out 10.7% -> 0% in 30 steps)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,22 @@ import re
 ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*(.*)", re.IGNORECASE)
 
 
-def final_answer(text: str) -> str:
-    """What follows the last "answer is" / "answer:" on its line, else the whole text,
-    without surrounding punctuation, quotes or markdown, case-folded."""
+def final_answer(text: str) -> str | None:
+    """What follows the last "answer is" / "answer:" on its line, without surrounding
+    punctuation, quotes or markdown, case-folded; None when there is no such phrase."""
     found = ANSWER_IS.findall(text)
-    answer = found[-1].splitlines()[0] if found and found[-1].strip() else text
-    return answer.strip().strip(".,;:!?\"'*_` ").casefold()
+    if not found or not found[-1].strip():
+        return None
+    return found[-1].splitlines()[0].strip().strip(".,;:!?\"'*_` ").casefold()
 
 
 def capital(completions, answer, **kwargs) -> list[float]:
     rewards = []
     for text, city in zip(completions, answer, strict=True):
-        if final_answer(text) == city.casefold():
-            rewards.append(1.0)
-        elif re.search(rf"\b{re.escape(city)}\b", text, re.IGNORECASE):
-            rewards.append(0.2)
+        final = final_answer(text)
+        if final is None:
+            final = text.strip().strip(".,;:!?\"'*_` ").casefold()
+            rewards.append(1.0 if final == city.casefold() else 0.0)
         else:
-            rewards.append(0.0)
+            rewards.append(1.0 if final == city.casefold() else 0.1)
     return rewards

@@ -29,16 +29,15 @@ def test_the_capitals_load_as_a_string_task():
 
 
 def test_the_capitals_reward_pays_in_full_only_what_the_strict_judge_calls_right():
-    """examples/capitals_reward.py: 1 for the capital as the final answer, 0.2 for naming it
-    elsewhere, 0 otherwise; its full credit never goes to an answer the strict judge (which
-    the example's accuracy is) calls wrong."""
+    """examples/capitals_reward.py: 1 for the capital as the final answer, 0.1 for another city
+    as a final answer after "answer is", 0 otherwise; its full credit goes exactly to what the
+    strict judge (the example's accuracy) calls right."""
     import importlib.util
 
     from grpolab.strict import strict_equal
 
-    spec = importlib.util.spec_from_file_location(
-        "capitals_reward", ROOT / "examples" / "capitals_reward.py"
-    )
+    path = ROOT / "examples" / "capitals_reward.py"
+    spec = importlib.util.spec_from_file_location("capitals_reward", path)
     reward = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(reward)
     cases = [
@@ -46,11 +45,12 @@ def test_the_capitals_reward_pays_in_full_only_what_the_strict_judge_calls_right
         ("The capital of Spain is Madrid. The answer is Madrid.", 1.0),
         ("The answer is: **Madrid**", 1.0),
         ("the answer is madrid", 1.0),
-        ("It is Madrid.", 0.2),
-        ("The answer is Madrid, a big city.", 0.2),
-        ("The answer is Barcelona. Not Madrid.", 0.2),
+        ("It is Madrid.", 0.0),
+        ("The capital of Spain is Madrid.", 0.0),
+        ("The answer is Madrid, a big city.", 0.1),
+        ("The answer is Barcelona. Not Madrid.", 0.1),
+        ("The answer is Paris.", 0.1),
         ("Madridista", 0.0),
-        ("The answer is Paris.", 0.0),
         ("", 0.0),
     ]
     texts = [text for text, _ in cases]
