@@ -78,9 +78,9 @@ def fix_malloc_thresholds() -> None:
     distribution per decode step, each layer's activations and their gradients). A block with
     a mapping of its own goes back to the system when freed and is faulted in again page by
     page when next allocated: with every block of 1 MB or more mapped (this function's former
-    setting), the real-model example's step took 9 s instead of 4.5 s, with 53M page faults in
-    a 14-minute run. glibc's own default moves the threshold up as mapped blocks are freed,
-    so where a run's tensors are served from depends on its history; fixed, it does not. The
+    setting), the real-model example's step with every row run took 9 s instead of 4.5 s.
+    glibc's own default moves the threshold up as mapped blocks are freed, so where a run's
+    tensors are served from depends on its history; fixed, it does not. The
     peak RSS of the example's steps: 4.26 GB here, 3.93 GB with 1 MB, 4.36 GB with glibc's
     default (docs/MEMORY.md); between steps the RSS stays near the peak, the freed space kept
     for the next step. A no-op on other C libraries."""
