@@ -208,6 +208,12 @@ def test_a_lora_engines_merged_copies_follow_each_update_and_the_canary_catches_
     assert all(not torch.equal(before[id(w)], c) for w, c in after.items())
     engine.sync_weights(model)
     assert engine.last_sync_gap == 0.0
+    loaded = {id(w): c.clone() for w, c in engine.merged_copies(model).items()}
+    with torch.no_grad():  # a write that moves the version counters (a load): remade
+        for p in trained:
+            p.add_(0.5)
+    assert any(not torch.equal(loaded[id(w)], c) for w, c in engine.merged_copies(model).items())
+    assert engine.check_sync(model) == 0.0
     with torch.no_grad():  # an update nothing saw: the merged copies are stale
         for p in trained:
             p.data.mul_(1.5)

@@ -16,7 +16,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     max_completion_length: int = 32
     seed: int = 0
-    sampler: str = "multinomial"  # hf engine: how a token is drawn (hf.SAMPLERS)
+    sampler: str = "multinomial"  # hf engine: how a token is drawn (common.SAMPLERS)
     # Multi-turn episodes: assistant turns per episode, and every token after the prompt
     # (assistant and tool turns); max_completion_length is then per assistant turn.
     # None: the engine's own (rollout.max_turns, rollout.max_episode_tokens).
@@ -113,8 +113,8 @@ class RolloutConfig:
     # hf only: how each token is drawn from its distribution (the same distribution either
     # way, different random numbers). multinomial: torch.multinomial, one exponential draw per
     # vocabulary entry (~50 ms per decode step at 64 rows x 49k on a CPU), the samples of every
-    # run before inverse_cdf existed. inverse_cdf: one uniform per row against the float64
-    # cumulative sum (~2 ms).
+    # run before inverse_cdf existed. inverse_cdf: one uniform per row against float64
+    # cumulative sums, in two levels (~1 ms).
     sampler: str = "multinomial"
     # vllm only: engine memory and context; the engine holds its own copy of the weights,
     # synced from the trainer after every optimizer step.

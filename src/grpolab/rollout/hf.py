@@ -84,7 +84,7 @@ class HFEngine:
             default_sync_tolerance("float32") if sync_tolerance is None else sync_tolerance
         )
         self.last_sync_gap: float | None = None  # bf16: the latest sync's canary gap
-        self._merged: tuple[int, WeakIdKeyDictionary] | None = None  # (made at, copies)
+        self._merged: tuple[tuple, WeakIdKeyDictionary] | None = None  # (made of, copies)
         self.episodes = episodes  # None: single-turn
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -119,14 +119,16 @@ class HFEngine:
 
     def merged_copies(self, model: torch.nn.Module, fresh: bool = False):
         """base weight -> bf16(W + its adapters) for each LoRA layer of `model` under bf16,
-        made again whenever trained weights' copies were dropped since (an update); None
+        made again when trained weights' copies were dropped since (an optimizer step: a
+        fused AdamW moves no version counter) or any weight's version moved (a load); None
         where nothing is merged (fp32, no LoRA, a LoRA variant merging would change)."""
         if not (self.precision.bf16 and is_lora(model)):
             return None
         layers = [layer for _, layer in lora_layers(model)]
         if not layers or not all(plain_lora(layer) for layer in layers):
             return None
-        current = self._merged is not None and self._merged[0] == casts_forgotten()
+        made_of = (casts_forgotten(), *(p._version for layer in layers for p in layer.parameters()))
+        current = self._merged is not None and self._merged[0] == made_of
         if current and model is self.model and not fresh:
             return self._merged[1]
         copies = WeakIdKeyDictionary()
@@ -134,7 +136,7 @@ class HFEngine:
             for layer in layers:
                 copies[layer.base_layer.weight] = merged_lora_weight(layer).to(torch.bfloat16)
         if model is self.model and not fresh:
-            self._merged = (casts_forgotten(), copies)
+            self._merged = (made_of, copies)
         return copies
 
     @torch.no_grad()
