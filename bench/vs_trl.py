@@ -25,13 +25,17 @@ reward (accuracy in math mode, grpolab's own function given to TRL), 8 prompts x
 completions up to 16 tokens, its lr and loss, its LoRA (TRL gets a peft LoraConfig of the same
 rank, alpha and modules; `--lora-r 0` trains every weight on both sides, then give a full
 fine-tuning `--learning-rate`), its gradient checkpointing (non-reentrant on both sides when
-on), micro-batches of one group (8 per step, TRL's `gradient_accumulation_steps` =
-`steps_per_generation` = 8, still one optimizer step per generation batch) and the example's
-2 threads on both sides. grpolab loads the model itself; TRL gets the resolved Hugging Face
-directory and loads the model (float32) and its tokenizer itself. The parity lines then run
-on the real model (4 prompts x 4, the base weights: the loss is the same function of the
-log-probs either way) with a tolerance derived from float32 on its 30 layers
-(parity_tolerance), not the warm-up model's 1e-5.
+on), its micro-batches (the example's one pass over the 64 rows; with
+`--gradient-accumulation-steps N` TRL's `gradient_accumulation_steps` =
+`steps_per_generation` = N, still one optimizer step per generation batch) and the example's
+2 threads on both sides. `--precision bf16` trains and samples in bf16 on both sides:
+grpolab's `trainer.precision=bf16`, TRL's `bf16=True` (accelerate's autocast around the
+model's forward, generation included), float32 master weights on both. grpolab loads the
+model itself; TRL gets the resolved Hugging Face directory and loads the model (float32) and
+its tokenizer itself. The parity lines then run on the real model (4 prompts x 4, the base
+weights, fp32 whatever `--precision`: the loss is the same function of the log-probs either
+way) with a tolerance derived from float32 on its 30 layers (parity_tolerance), not the
+warm-up model's 1e-5.
 
 What a real model could not match:
 - Chat template: TRL gets the prompt text rendered by grpolab's render_prompt (a plain-text
@@ -44,8 +48,9 @@ What a real model could not match:
   prefills a prompt once per group and drops rows at EOS. The random streams differ, so the
   two sample different completions: reward curves compare in distribution (over seeds), not
   step by step.
-- Micro-batches: grpolab's is one group (its prompt run once); TRL shuffles the generation
-  batch before splitting it, so its micro-batches mix groups. The loss is the same mean.
+- Micro-batches (when more than one): grpolab splits by groups (each prompt run once); TRL
+  shuffles the generation batch before splitting it, so its micro-batches mix groups. The
+  loss is the same mean.
 - Advantages: TRL's sample std and no zero-std guard under `matched` (as on the warm-up model).
 - Not run on either side: the example's held-out evaluations (eval_steps).
 On the warm-up model the memory settings stay each trainer's default, as its numbers were
@@ -122,6 +127,10 @@ class Settings:
     lora_r: int = 0
     lora_alpha: int = 16
     lora_target_modules: list[str] = field(default_factory=list)
+    # The training and sampling precision on both sides: "bf16" is grpolab's
+    # trainer.precision=bf16 and TRL's bf16=True (accelerate's autocast around every forward,
+    # generation included), float32 master weights on both.
+    precision: str = "fp32"
 
 
 @dataclass
@@ -166,6 +175,7 @@ def grpolab_config(s: Settings, seed: int, output_dir: str):
             f"trainer.max_grad_norm={s.max_grad_norm}",
             "trainer.eval_examples=0",
             f"trainer.num_threads={s.threads}",
+            f"trainer.precision={s.precision}",
             "trainer.progress=false",
             *memory_overrides(s),
         ],
@@ -372,7 +382,7 @@ def trl_args(s: Settings, seed: int, output_dir: str, **overrides):
         scale_rewards="group",
         shuffle_dataset=False,
         use_vllm=False,
-        bf16=False,
+        bf16=s.precision == "bf16",
         fp16=False,
         use_cpu=True,
         report_to=[],
@@ -786,14 +796,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "gradient_checkpointing": args.gradient_checkpointing,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "lora_r": args.lora_r,
+        "precision": args.precision,
     }
     s = replace(
         base, steps=args.steps, beta=args.beta, **{k: v for k, v in flags.items() if v is not None}
     )
-    if args.model and args.gradient_accumulation_steps is None:
-        # The example's micro-batch is one group (8 prompts, 8 micro-batches): keep that shape
-        # when the prompts per step change.
-        s = replace(s, gradient_accumulation_steps=s.prompts_per_step)
     if s.lora_r and not s.lora_target_modules:  # grpolab's default modules, on both sides
         from grpolab.config import TrainerConfig
 
@@ -809,10 +816,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def parity_settings(s: Settings) -> Settings | None:
     """The fixed batch of the parity lines: the warm-up model's own (loss_parity's default), or
-    4 prompts x 4 under the run's settings, in one pass."""
+    4 prompts x 4 under the run's settings, in one pass, in fp32 whatever the run's precision
+    (the lines check the loss, a function of the log-probs: bf16 rounding on both sides would
+    hide a difference in it)."""
     if not s.model:
         return None
-    return replace(s, steps=1, prompts_per_step=4, num_generations=4, gradient_accumulation_steps=1)
+    return replace(
+        s, steps=1, prompts_per_step=4, num_generations=4, gradient_accumulation_steps=1,
+        precision="fp32",
+    )  # fmt: skip
 
 
 def model_label(s: Settings) -> str:
@@ -863,14 +875,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gradient-accumulation-steps",
         type=int,
-        help="micro-batches per step on both sides; default 1 (warm-up model), one group per "
-        "micro-batch (= prompts per step, the example's 8) for a real model",
+        help="micro-batches per step on both sides; default 1 (warm-up model), the example's "
+        "(1: the 64 rows in one pass) for a real model",
     )
     p.add_argument(
         "--lora-r",
         type=int,
         help="LoRA rank on both sides, 0 = full fine-tuning; default: the example's for a "
         "real model (its alpha and modules), 0 for the warm-up model (q/k/v/o when set)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        help="on both sides (grpolab trainer.precision, TRL bf16=True); default fp32",
     )
     p.add_argument(
         "--pairings", nargs="+", choices=PAIRINGS, default=list(PAIRINGS), help="see PAIRINGS"
@@ -898,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
-        f"grpolab vs TRL {trl.__version__} GRPOTrainer | {model_label(s)}, CPU fp32, "
+        f"grpolab vs TRL {trl.__version__} GRPOTrainer | {model_label(s)}, CPU {s.precision}, "
         f"{s.threads} thread(s) | {s.steps} steps, {s.prompts_per_step} prompts x G="
         f"{s.num_generations}, max_completion_length {s.max_completion_length}, "
         f"beta {s.beta}{real_model_label(s)} | seeds {args.seeds} | load average {load}"

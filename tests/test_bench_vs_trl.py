@@ -77,3 +77,13 @@ def test_trl_trains_the_same_adapters() -> None:
         trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n for n in trained)
     assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trained} == {"q_proj", "v_proj"}
+
+
+def test_precision_reaches_both_sides() -> None:
+    """--precision bf16 is grpolab's trainer.precision=bf16 and TRL's bf16=True; the default
+    is fp32 on both."""
+    for flag, bf16 in (([], False), (["--precision", "bf16"], True)):
+        s = vs_trl.settings_from_args(vs_trl.build_parser().parse_args(["--steps", "1", *flag]))
+        assert vs_trl.grpolab_config(s, 0, "unused").trainer.precision == ("bf16" if bf16 else "fp32")
+        with tempfile.TemporaryDirectory() as tmp:
+            assert vs_trl.trl_args(s, 0, tmp).bf16 is bf16

@@ -30,7 +30,8 @@ def build_engine(
     """The engine `cfg.engine` names. "hf" samples with `model` itself; "vllm" starts an
     engine from `model_path` (a Hugging Face directory; the trainer's model is saved to one
     when None) and is kept in sync through `engine.sync_weights(model)`. `precision`: what
-    the hf engine samples in (vLLM: the model's dtype)."""
+    both engines sample in (hf: bf16 copies of the weights under autocast; vLLM: its weights
+    in bfloat16)."""
     episodes = episode_setup(cfg, tokenizer, chat_template)
     if cfg.engine == "hf":
         from grpolab.rollout.hf import HFEngine
@@ -56,6 +57,7 @@ def build_engine(
             chat_template=chat_template,
             system_prompt=system_prompt,
             episodes=episodes,
+            precision=precision,
         )
     raise ValueError(f"rollout.engine={cfg.engine!r} is not one of {list(ENGINES)}")
 

@@ -19,6 +19,9 @@ torchvision, torchaudio and torchcodec, whose CUDA builds break `import vllm` th
   and is loaded with the model runner's `reload_weights`; then the prefix cache is reset
   (cached KV blocks were computed with the old weights). On GPU a NCCL transfer would avoid the
   host copy; this path works everywhere.
+- Precision: the model's dtype, or bfloat16 under bf16 precision (each sync casts the
+  float32 weights); the canary then holds the engine to the trainer's own forward under the
+  run's autocast.
 - Verified sync: after each sync a fixed canary sequence is scored by the engine (prompt
   log-probs) and by the trainer's model; a max gap above `sync_tolerance` raises
   WeightSyncError naming it (a dropped, mis-named, un-merged or half-gathered tensor shows up
@@ -39,6 +42,7 @@ from pathlib import Path
 import torch
 
 from grpolab.models import base_model, lora_layers, merged_lora_weight
+from grpolab.precision import FP32, Precision, autocast
 from grpolab.rollout.base import Rollout, RolloutConfig, SamplingParams
 from grpolab.rollout.common import (
     CANARY_TEXT,
@@ -64,6 +68,11 @@ INSTALL_HINT = (
 )
 _SEED_STRIDE = 1_000_003  # request i of a call is seeded seed * stride + i
 CANARY_DECODE_TOKENS = 8
+# A bf16 engine's canary may be this many times as far from the trainer's float32 log-probs
+# as the trainer's own bf16 forward is: vLLM's bf16 kernels (its attention, its fused
+# projections) round their own way. On SmolLM2-135M's 27-token canary: the engine 0.19 nats
+# from float32, the trainer's bf16 forward 0.13; one MLP layer's weights not synced: 1.81.
+BF16_CANARY_FACTOR = 4.0
 
 
 def import_vllm():
@@ -178,8 +187,12 @@ class VLLMEngine:
         system_prompt: str | None = None,
         seed: int = 0,
         sync_tolerance: float | None = None,
+        precision: Precision = FP32,
     ):
         vllm = import_vllm()
+        # Under bf16 the canary is held to the trainer's own bf16 forward (canary_tolerance).
+        self.precision = precision
+        self.tolerance_derived = sync_tolerance is None
         self.sync_tolerance = (
             default_sync_tolerance(dtype) if sync_tolerance is None else sync_tolerance
         )
@@ -219,13 +232,17 @@ class VLLMEngine:
         chat_template: bool = False,
         system_prompt: str | None = None,
         episodes: EpisodeSetup | None = None,
+        precision: Precision = FP32,
     ) -> VLLMEngine:
         """An engine that samples from `model`'s current weights: started from `model_path`
         (a directory or hub id with the same architecture) and synced, or, without one, from
-        a copy of `model` saved to a temporary directory. `episodes`: multi-turn."""
+        a copy of `model` saved to a temporary directory. `episodes`: multi-turn. Under bf16
+        `precision` the engine holds its weights in bfloat16 (each sync casts them), else in
+        the model's dtype."""
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         kwargs = dict(
-            dtype=dtype,
+            dtype="bfloat16" if precision.bf16 else dtype,
+            precision=precision,
             max_model_len=cfg.vllm_max_model_len,
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
             enforce_eager=cfg.vllm_enforce_eager,
@@ -262,6 +279,25 @@ class VLLMEngine:
         with host_state_preserved():
             self.llm.collective_rpc("grpolab_load_weights", args=(payload,))
             self.llm.reset_prefix_cache()
+
+    def trainer_logprobs(self, model: torch.nn.Module, ids: list[int]):
+        """The trainer's log-probs of the canary's tokens after the first: (float32, in the
+        run's precision), each [T-1] (the same tensor twice under fp32)."""
+        exact = trainer_logprobs(model, ids)
+        if not self.precision.bf16:
+            return exact, exact
+        with autocast(self.precision, next(model.parameters()).device):
+            return exact, trainer_logprobs(model, ids)
+
+    def canary_tolerance(self, plain_gap: float) -> float:
+        """The canary gap a sync may leave: `sync_tolerance`; for a bf16 engine whose
+        tolerance was not set, also BF16_CANARY_FACTOR x the trainer's own bf16 forward's
+        distance from its float32 one on the same tokens (two bf16 computations of the same
+        weights round apart by that much; a dropped, misnamed or unmerged tensor moves the
+        log-probs by nats)."""
+        if self.precision.bf16 and self.tolerance_derived:
+            return max(self.sync_tolerance, BF16_CANARY_FACTOR * plain_gap)
+        return self.sync_tolerance
 
     def canary_ids(self) -> list[int]:
         ids = self.tokenizer(CANARY_TEXT, add_special_tokens=True)["input_ids"]
@@ -307,27 +343,34 @@ class VLLMEngine:
     @torch.no_grad()
     def check_sync(self, model: torch.nn.Module) -> float:
         """Max |engine - trainer| log-prob over the canary's tokens, scored as a prompt and
-        decoded after its cached first half; WeightSyncError above `sync_tolerance` (0 turns
-        the check off). Records it in `last_sync_gap`."""
+        decoded after its cached first half, the trainer in float32; WeightSyncError above
+        `canary_tolerance` (sync_tolerance 0 turns the check off). Records it in
+        `last_sync_gap`."""
         if not self.sync_tolerance:
             return float("nan")
         ids = self.canary_ids()
         scored = self.engine_canary_logprobs(ids)  # [T-1]
-        prompt_gap = float((scored - trainer_logprobs(model, ids)).abs().max())
+        trainer, plain = self.trainer_logprobs(model, ids)
+        prompt_gap = float((scored - trainer).abs().max())
+        plain_gap = float((plain - trainer).abs().max())
         decode_gap, prefix = 0.0, self.canary_prefix(ids)
         if prefix is not None:
             decoded, sampled = self.engine_canary_decode(prefix)  # [k] for the last k tokens
-            tail = trainer_logprobs(model, decoded)[-len(sampled) :]  # the sampled tokens'
-            decode_gap = float((sampled - tail).abs().max())
+            trainer, plain = (t[-len(sampled) :] for t in self.trainer_logprobs(model, decoded))
+            decode_gap = float((sampled - trainer).abs().max())
+            plain_gap = max(plain_gap, float((plain - trainer).abs().max()))
         gap = max(prompt_gap, decode_gap)
         self.last_sync_gap = gap
-        if not gap <= self.sync_tolerance:  # NaN fails too
+        tolerance = self.canary_tolerance(plain_gap)
+        if not gap <= tolerance:  # NaN fails too
             raise WeightSyncError(
                 f"weight sync check: the engine's log-probs of a {len(ids)}-token canary differ "
                 f"from the trainer's by up to {gap:.3g} (scored as a prompt {prompt_gap:.3g}, "
-                f"decoded after its cached prefix {decode_gap:.3g}; rollout.vllm_sync_tolerance="
-                f"{self.sync_tolerance:g}): the engine is not running the trainer's weights"
-                + (" (a stale prefix cache?)" if prompt_gap <= self.sync_tolerance else "")
+                f"decoded after its cached prefix {decode_gap:.3g}; allowed {tolerance:.3g}, "
+                f"rollout.vllm_sync_tolerance={self.sync_tolerance:g}"
+                + (f", the trainer's bf16 forward {plain_gap:.3g}" if self.precision.bf16 else "")
+                + "): the engine is not running the trainer's weights"
+                + (" (a stale prefix cache?)" if prompt_gap <= tolerance else "")
             )
         return gap
 
