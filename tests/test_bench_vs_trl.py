@@ -84,6 +84,7 @@ def test_precision_reaches_both_sides() -> None:
     is fp32 on both."""
     for flag, bf16 in (([], False), (["--precision", "bf16"], True)):
         s = vs_trl.settings_from_args(vs_trl.build_parser().parse_args(["--steps", "1", *flag]))
-        assert vs_trl.grpolab_config(s, 0, "unused").trainer.precision == ("bf16" if bf16 else "fp32")
+        precision = vs_trl.grpolab_config(s, 0, "unused").trainer.precision
+        assert precision == ("bf16" if bf16 else "fp32")
         with tempfile.TemporaryDirectory() as tmp:
             assert vs_trl.trl_args(s, 0, tmp).bf16 is bf16

@@ -33,10 +33,16 @@ from grpolab.models import (
     plain_kv_cache,
     plain_lora,
 )
-from grpolab.precision import FP32, Precision, autocast, casts_forgotten, forget_casts
+from grpolab.precision import (
+    FP32,
+    Precision,
+    autocast,
+    cached_cast,
+    casts_forgotten,
+    forget_casts,
+)
 from grpolab.rollout.base import Rollout, SamplingParams
 from grpolab.rollout.common import (
-    CANARY_TEXT,
     SAMPLERS,
     WeightSyncError,
     assemble_rollout,
@@ -63,8 +69,8 @@ class HFEngine:
     adapters merged into bf16 copies of the base weights (W + scaling * B @ A, rounded once;
     the adapters switched off meanwhile), as vLLM is given them: one matmul per linear
     instead of three, and no casts between them. `sync_weights` drops the trained weights'
-    copies (the next forward casts or merges the updated ones) and checks them with the
-    canary, as the vLLM engine does (`check_sync`)."""
+    copies (the next forward casts or merges the updated ones) and checks them against
+    copies made afresh (`check_sync`), as the vLLM engine checks its weights."""
 
     def __init__(
         self,
@@ -79,11 +85,12 @@ class HFEngine:
     ):
         self.model = model
         self.precision = precision
-        # The copies hold the trainer's weights rounded once: the canary agrees as in float32.
+        # The copies hold the trainer's weights rounded once: current ones equal a fresh
+        # rounding exactly (check_sync).
         self.sync_tolerance = (
             default_sync_tolerance("float32") if sync_tolerance is None else sync_tolerance
         )
-        self.last_sync_gap: float | None = None  # bf16: the latest sync's canary gap
+        self.last_sync_gap: float | None = None  # bf16: the latest sync's copy gap
         self._merged: tuple[tuple, WeakIdKeyDictionary] | None = None  # (made of, copies)
         self.episodes = episodes  # None: single-turn
         self.tokenizer = tokenizer
@@ -103,16 +110,15 @@ class HFEngine:
             forget_casts(p for p in self.model.parameters() if p.requires_grad)
             self.check_sync(model)
 
-    def sampling_context(self, model: torch.nn.Module | None = None, fresh: bool = False):
+    def sampling_context(self, model: torch.nn.Module | None = None):
         """The context every forward of this engine runs in: eval mode, its precision, and
-        for a LoRA model under bf16 the merged copies with the adapters off. fresh: every
-        copy made anew from `model` (the canary's reference)."""
+        for a LoRA model under bf16 the merged copies with the adapters off."""
         model = self.model if model is None else model
         device = next(model.parameters()).device
         stack = contextlib.ExitStack()
         stack.enter_context(eval_mode(model))
-        merged = self.merged_copies(model, fresh)
-        stack.enter_context(autocast(self.precision, device, cached=not fresh, substitutes=merged))
+        merged = self.merged_copies(model)
+        stack.enter_context(autocast(self.precision, device, substitutes=merged))
         if merged is not None:
             stack.enter_context(model.disable_adapter())
         return stack
@@ -121,7 +127,8 @@ class HFEngine:
         """base weight -> bf16(W + its adapters) for each LoRA layer of `model` under bf16,
         made again when trained weights' copies were dropped since (an optimizer step: a
         fused AdamW moves no version counter) or any weight's version moved (a load); None
-        where nothing is merged (fp32, no LoRA, a LoRA variant merging would change)."""
+        where nothing is merged (fp32, no LoRA, a LoRA variant merging would change).
+        fresh: made anew from `model`, not kept (the sync check's reference)."""
         if not (self.precision.bf16 and is_lora(model)):
             return None
         layers = [layer for _, layer in lora_layers(model)]
@@ -141,34 +148,41 @@ class HFEngine:
 
     @torch.no_grad()
     def check_sync(self, model: torch.nn.Module) -> float:
-        """Max |engine - trainer| log-prob over the canary's tokens: the engine's forward on
-        its bf16 copies against `model`'s with every weight cast afresh (the same values
-        when the copies are current: 0 here, on the same kernels); WeightSyncError above
-        `sync_tolerance` (0: off). Records it in `last_sync_gap`."""
+        """Max |engine copy - the same made afresh from `model`| over every bf16 copy of a
+        weight training moves: each LoRA-merged copy against a merge made now, each trained
+        weight's cached cast against a cast made now. 0 when the copies are current (the same
+        round-to-nearest of the same values); WeightSyncError above `sync_tolerance` (0: off).
+        Every element of every such copy is compared, where a canary forward (the vLLM
+        engine's) sees a few tokens' projection of them, and without two forwards per step.
+        Records it in `last_sync_gap`."""
         if not self.sync_tolerance:
             return float("nan")
-        ids = list(self.tokenizer(CANARY_TEXT, add_special_tokens=True)["input_ids"])[:64]
-        engine = self.canary_logprobs(self.model, ids, cached=True)
-        gap = float((engine - self.canary_logprobs(model, ids, cached=False)).abs().max())
+        engine = self.bf16_copies(self.model)  # the copies the next rollout samples from
+        gap = 0.0
+        for theirs, ours in zip(engine, self.bf16_copies(model, fresh=True), strict=True):
+            gap = max(gap, float((theirs.float() - ours.float()).abs().max()))
         self.last_sync_gap = gap
         if not gap <= self.sync_tolerance:  # NaN fails too
             raise WeightSyncError(
-                f"weight sync check: the hf engine's bf16 log-probs of a {len(ids)}-token "
-                f"canary differ from the trainer's weights cast afresh by up to {gap:.3g} "
+                f"weight sync check: the hf engine's bf16 weight copies differ from the "
+                f"trainer's weights rounded afresh by up to {gap:.3g} "
                 f"(rollout.vllm_sync_tolerance={self.sync_tolerance:g}): the engine is not "
                 "running the trainer's weights (a stale bf16 copy)"
             )
         return gap
 
-    def canary_logprobs(self, model: torch.nn.Module, ids: list[int], cached: bool):
-        """Each canary token's log-prob after the first under `model` in this engine's
-        precision, temperature 1: [T-1] float32."""
-        device = next(model.parameters()).device
-        input_ids = torch.tensor([ids], device=device)  # [1, T]
-        with self.sampling_context(model, fresh=not cached):
-            logits = model(input_ids=input_ids).logits[0, :-1].float()  # [T-1, V]
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None])[:, 0]
-        return logp.cpu()
+    def bf16_copies(self, model: torch.nn.Module, fresh: bool = False) -> list[torch.Tensor]:
+        """The bf16 tensors this engine's linears multiply in place of `model`'s weights that
+        training moves (LoRA-merged copies, or the trained weights' cached casts), in the
+        model's module order. fresh: each made anew, nothing cached."""
+        merged = self.merged_copies(model, fresh)
+        if merged is not None:
+            return [merged[layer.base_layer.weight] for _, layer in lora_layers(model)]
+        trained = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        trained = [w for w in trained if w.requires_grad]
+        if fresh:
+            return [w.detach().to(torch.bfloat16) for w in trained]
+        return [cached_cast(w, torch.bfloat16) for w in trained]
 
     @torch.no_grad()
     def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> Rollout:
