@@ -224,10 +224,10 @@ def example_settings(model: str) -> Settings:
 
 def trl_lora(s: Settings):
     """TRL's side of LoRA: the peft config grpolab itself trains with under these settings
-    (grpolab.setup.lora_config), or None for full fine-tuning."""
+    (grpolab.lora.lora_config), or None for full fine-tuning."""
     if not s.lora_r:
         return None
-    from grpolab.setup import lora_config
+    from grpolab.lora import lora_config
 
     return lora_config(grpolab_config(s, 0, "unused"))
 

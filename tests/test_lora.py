@@ -15,7 +15,8 @@ pytest.importorskip("peft")
 from grpolab import core
 from grpolab.checkpoint import ADAPTER_DIR, save_checkpoint
 from grpolab.config import ConfigError, load_config, validate_world
-from grpolab.models import is_lora, load_policy
+from grpolab.lora import is_lora
+from grpolab.models import load_policy
 from grpolab.preflight import preflight
 from grpolab.setup import build_run, load_start_model
 from grpolab.step import grpo_step

@@ -136,7 +136,7 @@ def lora_engine():
     """A tiny LoRA model whose adapters are not zero (peft starts B at 0), its bf16 engine."""
     pytest.importorskip("peft")
     from grpolab.config import load_config
-    from grpolab.setup import wrap_lora
+    from grpolab.lora import wrap_lora
 
     model, tokenizer, _ = tiny_engine()
     model = wrap_lora(model, load_config(None, ["trainer.lora_r=4"]))
@@ -162,7 +162,7 @@ def test_a_lora_engine_samples_from_merged_bf16_copies_as_close_to_float64_as_pl
     import copy
 
     from grpolab.checks import precision_tolerance
-    from grpolab.models import lora_layers
+    from grpolab.lora import lora_layers
 
     model, tokenizer, engine = lora_engine()
     copies = engine.merged_copies(model)

@@ -254,3 +254,17 @@ def test_rollout_command_table_and_errors(model_dir, capsys):
     assert "/nonexistent/x.jsonl" in capsys.readouterr().err
     assert main(["rewards.functions=nope.py:f"]) == 2
     assert "reward file 'nope.py' does not exist" in capsys.readouterr().err
+
+
+def test_every_registered_engine_implements_the_whole_interface():
+    """rollout.engine names a class that fills every member of RolloutEngine (the trainer
+    reads them without fallbacks); an unknown name says which names there are."""
+    import inspect
+
+    from grpolab.rollout import ENGINES, RolloutEngine, engine_class
+
+    for name in ENGINES:
+        cls = engine_class(name)
+        assert issubclass(cls, RolloutEngine) and not inspect.isabstract(cls), name
+    with pytest.raises(ValueError, match=r"rollout\.engine='sglang' is not one of"):
+        engine_class("sglang")

@@ -23,7 +23,8 @@ import yaml
 
 from grpolab import dist as dist_module
 from grpolab.config import Config, run_changes, to_yaml
-from grpolab.models import is_lora, load_policy, save_policy
+from grpolab.lora import is_lora, load_lora_adapter
+from grpolab.models import load_policy, save_policy
 from grpolab.setup import Run
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -343,7 +344,7 @@ def restore(run: Run, checkpoint_dir: Path) -> tuple[int, dict[str, Any]]:
     check_same_model(model, checkpoint_dir)
     saved, _, extra, state = load_checkpoint(checkpoint_dir, cfg.model.dtype, str(run.device))
     if is_lora(model):  # the base weights are the start model's; saved holds them merged
-        load_lora_adapter(model, checkpoint_dir)
+        load_lora_adapter(model, checkpoint_dir, ADAPTER_DIR)
     elif (checkpoint_dir / ADAPTER_DIR).is_dir():
         raise ValueError(
             f"--resume {str(checkpoint_dir)!r}: a LoRA checkpoint; resume it with the "
@@ -395,24 +396,6 @@ def unsharded_copy(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> 
     plain.load_state_dict(weights)
     plain.generation_config = model.generation_config
     return plain
-
-
-def load_lora_adapter(model: torch.nn.Module, checkpoint_dir: Path) -> None:
-    """Restore the adapter weights a LoRA checkpoint holds in adapter/."""
-    from peft import load_peft_weights, set_peft_model_state_dict
-
-    adapter = checkpoint_dir / ADAPTER_DIR
-    if not adapter.is_dir():
-        raise ValueError(
-            f"--resume {str(checkpoint_dir)!r}: no {ADAPTER_DIR}/ there (a full fine-tuning "
-            "checkpoint); resume it with trainer.lora_r=0"
-        )
-    result = set_peft_model_state_dict(model, load_peft_weights(str(adapter)))
-    if result.unexpected_keys:
-        raise ValueError(
-            f"--resume {str(checkpoint_dir)!r}: its adapter does not match trainer.lora_* "
-            f"(unexpected {result.unexpected_keys[:3]})"
-        )
 
 
 class ConfigChangedOnResume(ValueError):

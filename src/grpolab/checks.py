@@ -608,6 +608,23 @@ def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSet
             dev <= 1e-2,
         )
 
+    yield _zero_std_groups(adv, ref, o)
+
+    if o.advantage_estimator != "grpo":
+        gap = _max_abs(adv - ref)
+        yield _result(
+            "advantages.estimator",
+            2,
+            f"max |adv - the {o.advantage_estimator} reference| (G = 4, unequal lengths)",
+            gap,
+            "<= 1e-6",
+            gap <= 1e-6,
+        )
+
+
+def _zero_std_groups(adv: torch.Tensor, ref: torch.Tensor, o) -> CheckResult:
+    """advantages.zero_std_groups on the designed batch (G = 4): its equal-reward group and
+    its 1e-9-noise group, against the reference under the objective's guard."""
     flat = adv.view(-1, 4)[1:3]  # the equal-reward group and the 1e-9-noise group
     if o.zero_std_guard and _max_abs(ref.view(-1, 4)[1:3]) == 0.0:
         worst = _max_abs(flat)
@@ -622,7 +639,7 @@ def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSet
         ok = worst <= 1e-6
         if o.advantage_estimator != "reinforce_pp":  # whitening moves every group
             ok = ok and _max_abs(adv.view(-1, 4)[1]) == 0.0
-    yield _result(
+    return _result(
         "advantages.zero_std_groups",
         2,
         f"{what} in an equal-reward group and a 1e-9-noise group",
@@ -630,17 +647,6 @@ def check_advantages(impl: CoreFunctions, batch: PreflightBatch, s: PreflightSet
         expected,
         ok,
     )
-
-    if o.advantage_estimator != "grpo":
-        gap = _max_abs(adv - ref)
-        yield _result(
-            "advantages.estimator",
-            2,
-            f"max |adv - the {o.advantage_estimator} reference| (G = 4, unequal lengths)",
-            gap,
-            "<= 1e-6",
-            gap <= 1e-6,
-        )
 
 
 # Rows out of the vote (no function could score them, or out of the loss) with rewards that

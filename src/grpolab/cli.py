@@ -169,6 +169,35 @@ def build_parser() -> argparse.ArgumentParser:
         prog="grpolab", description="GRPO training whose every intermediate quantity is checked."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    add_train_parser(sub)
+    add_eval_parser(sub)
+
+    rep = sub.add_parser("report", help="plots and a one-page summary of a run directory")
+    rep.add_argument("run_dir")
+    rep.set_defaults(func=cmd_report)
+
+    wu = sub.add_parser("warmup", help="regenerate a shipped warm-up model (supervised)")
+    wu.add_argument(
+        "--task",
+        choices=["arithmetic", "tool-calculator"],
+        default="arithmetic",
+        help="the demo's model, or the tool example's (examples/tool-calculator.yaml)",
+    )
+    wu.add_argument("--output", default=None, help="default: the package's data directory")
+    wu.add_argument("--steps", type=int, default=None, help="default: 120 / 800")
+    wu.add_argument("--seed", type=int, default=0)
+    wu.set_defaults(func=cmd_warmup)
+
+    from grpolab.drill.cli import add_drill_parser
+    from grpolab.rollout_cli import add_rollout_parser
+
+    add_rollout_parser(sub)
+    add_preflight_parser(sub)
+    add_drill_parser(sub)
+    return parser
+
+
+def add_train_parser(sub) -> None:
     train = sub.add_parser("train", help="run GRPO training (no arguments: the CPU demo)")
     train.add_argument("--config", help="YAML config file (default: the built-in CPU demo)")
     train.add_argument(
@@ -203,11 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(func=cmd_train)
 
+
+def add_eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="held-out accuracy (and pass@k) of a model")
     ev.add_argument("--model", help="model directory or hub id (default: the demo model)")
-    ev.add_argument(
-        "--task", help="task name (default: a checkpoint's own run's, else arithmetic)"
-    )
+    ev.add_argument("--task", help="task name (default: a checkpoint's own run's, else arithmetic)")
     ev.add_argument(
         "--config",
         help="YAML config file for the task/rollout sections (over a checkpoint's own run's)",
@@ -219,26 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     ev.set_defaults(func=cmd_eval)
 
-    rep = sub.add_parser("report", help="plots and a one-page summary of a run directory")
-    rep.add_argument("run_dir")
-    rep.set_defaults(func=cmd_report)
 
-    wu = sub.add_parser("warmup", help="regenerate a shipped warm-up model (supervised)")
-    wu.add_argument(
-        "--task",
-        choices=["arithmetic", "tool-calculator"],
-        default="arithmetic",
-        help="the demo's model, or the tool example's (examples/tool-calculator.yaml)",
-    )
-    wu.add_argument("--output", default=None, help="default: the package's data directory")
-    wu.add_argument("--steps", type=int, default=None, help="default: 120 / 800")
-    wu.add_argument("--seed", type=int, default=0)
-    wu.set_defaults(func=cmd_warmup)
-
-    from grpolab.drill.cli import add_drill_parser
-    from grpolab.rollout_cli import add_rollout_parser
-
-    add_rollout_parser(sub)
+def add_preflight_parser(sub) -> None:
     pre = sub.add_parser(
         "preflight", help="check every intermediate GRPO quantity on the configured model"
     )
@@ -249,9 +260,6 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--json", action="store_true", help="print the results as JSON")
     pre.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     pre.set_defaults(func=cmd_preflight)
-
-    add_drill_parser(sub)
-    return parser
 
 
 def overrides_last(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:

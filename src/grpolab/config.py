@@ -514,7 +514,18 @@ def validate_objective(cfg: Config) -> None:
 
 def validate_values(cfg: Config) -> None:
     """Each key's value, and the combinations that cannot run, named by the key."""
-    t = cfg.trainer
+    _validate_run(cfg)
+    _validate_batch(cfg)
+    _validate_objective(cfg)
+    _validate_optimisation(cfg)
+    _validate_bookkeeping(cfg)
+    _validate_runtime(cfg)
+    _validate_lora(cfg)
+    _validate_rollout(cfg)
+
+
+def _validate_run(cfg: Config) -> None:
+    """The run as a whole: steps, output directory, the model's dtype."""
     _need(cfg.max_steps >= 0, "max_steps", cfg.max_steps, "an integer >= 0")
     _need(bool(cfg.output_dir), "output_dir", cfg.output_dir, "a directory path")
     _need(
@@ -523,6 +534,11 @@ def validate_values(cfg: Config) -> None:
         cfg.model.dtype,
         "one of float32, bfloat16, float16",
     )
+
+
+def _validate_batch(cfg: Config) -> None:
+    """The batch: G, prompts per step, minibatches and micro-batches."""
+    t = cfg.trainer
     _need(t.num_generations >= 2, "trainer.num_generations", t.num_generations, "an integer >= 2")
     if t.generation_batch_size is not None:
         _need(
@@ -554,6 +570,11 @@ def validate_values(cfg: Config) -> None:
         t.gradient_accumulation_steps,
         f"a positive divisor of the minibatch size {mini}",
     )
+
+
+def _validate_objective(cfg: Config) -> None:
+    """The objective: clip, KL, advantages, the loss and its options."""
+    t = cfg.trainer
     _need(0 <= t.epsilon < 1, "trainer.epsilon", t.epsilon, "a number in [0, 1)")
     _need(t.epsilon_high >= 0, "trainer.epsilon_high", t.epsilon_high, "a number >= 0")
     _need(t.beta >= 0, "trainer.beta", t.beta, "a number >= 0")
@@ -608,6 +629,20 @@ def validate_values(cfg: Config) -> None:
             t.epsilon_high,
             "> 1 with loss_type=cispo: it is the cap on the ratio itself (e.g. 5.0)",
         )
+    if t.tis_cap is not None:
+        _need(t.tis_cap > 0, "trainer.tis_cap", t.tis_cap, "a number > 0 (e.g. 2.0), or null")
+        _need(
+            t.logprob_source == "trainer",
+            "trainer.tis_cap",
+            t.tis_cap,
+            "trainer.logprob_source=trainer: the weights are pi_trainer / pi_engine, so logp_old "
+            "must be the trainer's",
+        )
+
+
+def _validate_optimisation(cfg: Config) -> None:
+    """The optimiser and its schedule."""
+    t = cfg.trainer
     _need(t.learning_rate > 0, "trainer.learning_rate", t.learning_rate, "a number > 0")
     _need(
         t.lr_scheduler in ("constant", "cosine"),
@@ -617,6 +652,11 @@ def validate_values(cfg: Config) -> None:
     )
     _need(t.warmup_steps >= 0, "trainer.warmup_steps", t.warmup_steps, "an integer >= 0")
     _need(t.max_grad_norm >= 0, "trainer.max_grad_norm", t.max_grad_norm, "a number >= 0")
+
+
+def _validate_bookkeeping(cfg: Config) -> None:
+    """Checkpoints, evaluations, logging and the failure limits."""
+    t = cfg.trainer
     _need(t.save_steps >= 0, "trainer.save_steps", t.save_steps, "an integer >= 0")
     if t.save_total_limit is not None:
         _need(t.save_total_limit >= 1, "trainer.save_total_limit", t.save_total_limit, ">= 1")
@@ -635,17 +675,13 @@ def validate_values(cfg: Config) -> None:
         t.max_consecutive_reward_failures,
         "an integer >= 1",
     )
+
+
+def _validate_runtime(cfg: Config) -> None:
+    """Monitors, precision, trackers and data parallel."""
+    t = cfg.trainer
     _need(t.monitor in ("warn", "stop", "off"), "trainer.monitor", t.monitor, "warn, stop or off")
     _need(t.precision in PRECISIONS, "trainer.precision", t.precision, "auto, fp32 or bf16")
-    if t.tis_cap is not None:
-        _need(t.tis_cap > 0, "trainer.tis_cap", t.tis_cap, "a number > 0 (e.g. 2.0), or null")
-        _need(
-            t.logprob_source == "trainer",
-            "trainer.tis_cap",
-            t.tis_cap,
-            "trainer.logprob_source=trainer: the weights are pi_trainer / pi_engine, so logp_old "
-            "must be the trainer's",
-        )
     for key in ("monitor_clip_frac_max", "monitor_zero_std_max", "monitor_reward_strict_gap"):
         value = getattr(t, key)
         _need(0 <= value <= 1, f"trainer.{key}", value, "a fraction in [0, 1]")
@@ -666,10 +702,19 @@ def validate_values(cfg: Config) -> None:
         t.rollout_split,
         "one of local, replicated",
     )
+
+
+def _validate_lora(cfg: Config) -> None:
+    """LoRA."""
+    t = cfg.trainer
     _need(t.lora_r >= 0, "trainer.lora_r", t.lora_r, "an integer >= 0 (0 = full fine-tuning)")
     _need(0 <= t.lora_dropout < 1, "trainer.lora_dropout", t.lora_dropout, "a number in [0, 1)")
     if t.lora_r > 0:
         _need(bool(t.lora_target_modules), "trainer.lora_target_modules", [], "module names")
+
+
+def _validate_rollout(cfg: Config) -> None:
+    """The rollout engine and sampling."""
     r = cfg.rollout
     _need(r.engine in ENGINES, "rollout.engine", r.engine, f"one of {list(ENGINES)}")
     _need(r.sampler in SAMPLERS, "rollout.sampler", r.sampler, f"one of {list(SAMPLERS)}")

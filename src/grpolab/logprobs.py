@@ -134,6 +134,13 @@ class _Tiles:
             out.sub_(shift[:, None])
         return out
 
+    def shifted_logits(self, h, w, inv_t: float, top, kept=None) -> torch.Tensor:
+        """z - top[:, None] as a float32 [n, v] tile: recomputed from h and w, or from the
+        forward's kept logits z [n, v]."""
+        if kept is None:
+            return self.logits(h, w, inv_t, shift=top)
+        return torch.sub(kept, top[:, None], out=self.tile(kept.shape))
+
     def tile(self, shape: tuple[int, int]) -> torch.Tensor:
         return self.main[: shape[0] * shape[1]].view(shape)
 
@@ -204,25 +211,36 @@ def _forward(
             zero = torch.zeros_like(e_target)
             e.scatter_(1, column, torch.where(in_tile, zero, e_target)[:, None])
             tile_rest = e.sum(dim=1)  # [n]
-            if spread is not None:
-                tile_spread = torch.linalg.vecdot(e, z)  # sum e * (z - tile_top)
+            # sum e * (z - tile_top)
+            tile_spread = torch.linalg.vecdot(e, z) if spread is not None else None
             if v0 == 0:  # every row's first vocabulary chunk
                 top[rows], rest[rows] = tile_top, tile_rest
                 if spread is not None:
                     spread[rows] = tile_spread
                 continue
-            # Both sums re-expressed relative to the larger of the two maxima.
-            new_top = torch.maximum(top[rows], tile_top)
-            old_shift, tile_shift = top[rows] - new_top, tile_top - new_top  # <= 0
-            old_scale, tile_scale = torch.exp(old_shift), torch.exp(tile_shift)
-            if spread is not None:
-                spread[rows] = old_scale * (spread[rows] + old_shift * rest[rows]) + (
-                    tile_scale * (tile_spread + tile_shift * tile_rest)
-                )
-            rest[rows] = old_scale * rest[rows] + tile_scale * tile_rest
-            top[rows] = new_top
+            _merge_sums(top, rest, spread, rows, tile_top, tile_rest, tile_spread)
         if kept is not None:
             kept.append(store)
+    logp, total, entropy = _from_sums(target_logit, top, rest, spread)
+    return logp, top, total, entropy, kept
+
+
+def _merge_sums(top, rest, spread, rows: slice, tile_top, tile_rest, tile_spread) -> None:
+    """The running (top, rest, spread) of `rows` and a tile's, merged in place: both sums
+    re-expressed relative to the larger of the two maxima."""
+    new_top = torch.maximum(top[rows], tile_top)
+    old_shift, tile_shift = top[rows] - new_top, tile_top - new_top  # <= 0
+    old_scale, tile_scale = torch.exp(old_shift), torch.exp(tile_shift)
+    if spread is not None:
+        spread[rows] = old_scale * (spread[rows] + old_shift * rest[rows]) + (
+            tile_scale * (tile_spread + tile_shift * tile_rest)
+        )
+    rest[rows] = old_scale * rest[rows] + tile_scale * tile_rest
+    top[rows] = new_top
+
+
+def _from_sums(target_logit, top, rest, spread):
+    """(logp, total, entropy or None) [N] from the whole vocabulary's running sums."""
     target_shift = target_logit - top  # <= 0
     target_term = torch.exp(target_shift)
     total = target_term + rest
@@ -234,9 +252,19 @@ def _forward(
     entropy = None
     if spread is not None:  # H = -sum p log p = log(total) - sum p (z - top)
         entropy = log_total - (spread + target_term * target_shift) / total
-    return logp, top, total, entropy, kept
+    return logp, total, entropy
 
 
+# _backward's maths. With z = logits / T, e = exp(z - top), S = total: p = e / S and
+# log p = z - top - log S. d logp / dz = onehot - p and d entropy / dz = -p * (log p +
+# entropy), so grad_z = -B / S with B = e * (g + gE * (log p + entropy)) - S * g * onehot, and
+# grad_h = -(B @ W) / (S T),  grad_W = -B^T @ (h / S) / T.
+# 1 / S (times g, when there is no entropy gradient) is a per-row factor: in full precision it
+# goes on the small [n, H] side of the matmuls instead of a pass over the tile.
+# The target's column of B is S * (g * (p_t - 1) + ...): formed on the tile as e_t - S it
+# would be the difference of two numbers near S whose roundings are all that is left of
+# 1 - p_t for a confident token. It is written instead from the forward's log-prob as
+# S * (g * expm1(logp_t) + p_t * gE * (logp_t + entropy)), to float32's relative precision.
 def _backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -255,36 +283,15 @@ def _backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Gradients w.r.t. hidden [N, H] and weight [V, H], one recomputed tile at a time (or
     read from the forward's kept logits, each chunk freed once its gradient is written).
-
-    With z = logits / T, e = exp(z - top), S = total: p = e / S and log p = z - top - log S.
-    d logp / dz = onehot - p and d entropy / dz = -p * (log p + entropy), so grad_z = -B / S
-    with B = e * (g + gE * (log p + entropy)) - S * g * onehot, and
-    grad_h = -(B @ W) / (S T),  grad_W = -B^T @ (h / S) / T.
-    1 / S (times g, when there is no entropy gradient) is a per-row factor: in full
-    precision it goes on the small [n, H] side of the matmuls instead of a pass over the tile.
-
-    The target's column of B is S * (g * (p_t - 1) + ...): formed on the tile as e_t - S it
-    would be the difference of two numbers near S whose roundings are all that is left of
-    1 - p_t for a confident token. It is written instead from the forward's log-prob as
-    S * (g * expm1(logp_t) + p_t * gE * (logp_t + entropy)), to float32's relative precision.
-    """
+    The maths: the comment above."""
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     acc = _acc_dtype(weight.dtype)
     device = hidden.device
     g = grad_logp.to(acc) if grad_logp is not None else top.new_zeros(n_tokens)
     with_entropy_grad = grad_entropy is not None and entropy is not None
     low_precision = weight.dtype != acc
-    if with_entropy_grad:
-        g_entropy = grad_entropy.to(acc)
-        target_value = total * (
-            g * torch.expm1(logp) + torch.exp(logp) * g_entropy * (logp + entropy)
-        )
-        # B = e * (offset + gE * (z - top)): the per-row part of g + gE * (log p + entropy).
-        offset = g + g_entropy * (entropy - torch.log(total))
-        row_factor = 1.0 / total  # [N]
-    else:  # B = e - S * onehot, and g joins the row factor
-        target_value = total * torch.expm1(logp)  # [N]
-        row_factor = g / total
+    g_entropy = grad_entropy.to(acc) if with_entropy_grad else None
+    target_value, offset, row_factor = _row_factors(g, g_entropy, logp, entropy, total)
     tiles = _Tiles(chunks, weight.dtype, weight.device, n_aux=int(with_entropy_grad))
     # Right-hand side of the weight-gradient matmul: h scaled by the row factor, unless the
     # factor is on the tile (low precision: the tile is rounded once, already scaled).
@@ -304,6 +311,7 @@ def _backward(
         here = (local >= 0) & (local < v)
         local = local.clamp(0, v - 1)
         stored = None if kept is None else kept[k]  # [N, v] or None
+        gw = None  # this chunk's rows of the weight gradient
         if need_weight:
             # Low precision: this chunk's weight-gradient rows summed in float32, rounded once.
             gw = (
@@ -313,32 +321,17 @@ def _backward(
             )
         for n0 in range(0, n_tokens, chunks.tokens):
             rows = slice(n0, n0 + chunks.tokens)
-            if stored is None:
-                b = tiles.logits(hidden[rows], w, inv_t, shift=top[rows])  # z - top  [n, v]
-            else:
-                z = stored[rows]
-                b = torch.sub(z, top[rows, None], out=tiles.tile(z.shape))
+            shifted = None if stored is None else stored[rows]
+            b = tiles.shifted_logits(hidden[rows], w, inv_t, top[rows], shifted)  # z - top
             if with_entropy_grad:
                 e = torch.exp(b, out=tiles.second(b))
                 b.mul_(g_entropy[rows, None]).add_(offset[rows, None]).mul_(e)
             else:
                 b.exp_()  # e
-            column = local[rows, None]  # [n, 1]
-            other = b.gather(1, column).squeeze(1)  # rows whose target lies in another chunk
-            b.scatter_(1, column, torch.where(here[rows], target_value[rows], other)[:, None])
+            _write_target_column(b, local[rows, None], here[rows], target_value[rows])
             if low_precision:
                 b = tiles.low_precision(b, row_factor[rows])
-            if need_hidden:
-                if low_precision:
-                    b_w[rows] += torch.mm(b, w)
-                else:
-                    b_w[rows].addmm_(b, w)  # [n, H]
-            if need_weight:
-                if low_precision:
-                    gw.sub_(torch.mm(b.t(), rhs[rows]), alpha=inv_t)
-                else:
-                    first = 0.0 if n0 == 0 else 1.0
-                    gw.addmm_(b.t(), rhs[rows], beta=first, alpha=-inv_t)  # [v, H]
+            _add_tile_grads(b, w, rows, b_w, gw, rhs, inv_t, n0 == 0, low_precision)
         if need_weight and low_precision:
             grad_weight[v0 : v0 + v] = gw
         if kept is not None:
@@ -349,6 +342,46 @@ def _backward(
         scale = -inv_t if low_precision else -inv_t * row_factor[:, None]
         grad_hidden = (b_w * scale).to(hidden.dtype)
     return grad_hidden, grad_weight
+
+
+def _add_tile_grads(
+    b, w, rows: slice, b_w, gw, rhs, inv_t: float, first: bool, low_precision: bool
+) -> None:
+    """One tile's share of B @ W into b_w[rows] [n, H] and of -B^T @ rhs / T into gw [v, H]
+    (either None: not wanted). In full precision the first token tile overwrites gw; in low
+    precision b is in the weight dtype and gw sums in float32."""
+    if b_w is not None:
+        if low_precision:
+            b_w[rows] += torch.mm(b, w)
+        else:
+            b_w[rows].addmm_(b, w)  # [n, H]
+    if gw is not None:
+        if low_precision:
+            gw.sub_(torch.mm(b.t(), rhs[rows]), alpha=inv_t)
+        else:
+            gw.addmm_(b.t(), rhs[rows], beta=0.0 if first else 1.0, alpha=-inv_t)  # [v, H]
+
+
+def _row_factors(g, g_entropy, logp, entropy, total):
+    """(target_value, offset or None, row_factor) [N] of _backward's B: the target's column
+    from the forward's log-prob, the per-row part of B's exponent weight (entropy only), and
+    the per-row factor 1 / S (g / S without an entropy gradient)."""
+    if g_entropy is not None:
+        target_value = total * (
+            g * torch.expm1(logp) + torch.exp(logp) * g_entropy * (logp + entropy)
+        )
+        # B = e * (offset + gE * (z - top)): the per-row part of g + gE * (log p + entropy).
+        offset = g + g_entropy * (entropy - torch.log(total))
+        return target_value, offset, 1.0 / total
+    # B = e - S * onehot, and g joins the row factor
+    return total * torch.expm1(logp), None, g / total
+
+
+def _write_target_column(b, column, here, target_value) -> None:
+    """Each row's target column of the tile b [n, v] set to target_value, where the target
+    lies in this chunk (`here`); other rows keep their value."""
+    other = b.gather(1, column).squeeze(1)  # rows whose target lies in another chunk
+    b.scatter_(1, column, torch.where(here, target_value, other)[:, None])
 
 
 def kept_chunks(n_tokens: int, weight: torch.Tensor, chunks: Chunks) -> int:

@@ -326,43 +326,6 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def is_lora(model: torch.nn.Module) -> bool:
-    """A peft model (checked without importing peft, an optional dependency)."""
-    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
-
-
-def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
-    """(name under the base model, layer) of each peft LoRA layer whose adapters act on its
-    base layer's output (not merged into it, not switched off)."""
-    for name, module in base_model(model).named_modules():
-        if not (hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")):
-            continue
-        if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
-            continue  # already inside the base weight / switched off
-        yield name, module
-
-
-def merged_lora_weight(layer: torch.nn.Module) -> torch.Tensor:
-    """A LoRA layer's base weight with its active adapters added (W + scaling * B @ A each,
-    computed aside: the trained layer is not touched) [out, in]."""
-    weight = layer.base_layer.weight.detach()
-    for adapter in layer.active_adapters:
-        weight = weight + layer.get_delta_weight(adapter).detach()
-    return weight
-
-
-def plain_lora(layer: torch.nn.Module) -> bool:
-    """A LoRA layer whose output is exactly base_layer(x) + sum of scaling * B(A(x)) in eval
-    mode, so merging it changes no value beyond rounding (no DoRA or other variant, no
-    adapter bias, a linear base)."""
-    return (
-        isinstance(layer.base_layer, torch.nn.Linear)
-        and not getattr(layer, "lora_variant", {})
-        and not any(getattr(layer, "lora_bias", {}).values())
-        and not getattr(layer, "fan_in_fan_out", False)
-    )
-
-
 def plain_kv_cache(cache) -> bool:
     """A cache whose every layer is a plain concatenation of keys and values over positions,
     so rows can be selected or repeated freely (not sliding-window, hybrid or quantised)."""

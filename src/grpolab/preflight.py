@@ -526,7 +526,7 @@ def run_preflight(run: Run, progress=None) -> list[CheckResult]:
         say("rewards.variance on a whole step's prompts (the sampled groups were all flat)")
     if flat and (over_a_step := reward_variance_over_a_step(run, batch)) is not None:
         results[flat[0]] = over_a_step
-    if getattr(run.engine, "episodes", None) is not None:
+    if run.engine.episodes is not None:
         say("the episode checks on probe episodes")
         results += episode_results(run, s)
     if run.task.has_references:
@@ -586,7 +586,7 @@ def preflight(
     if console is not None:
         console.print(run.task.describe_split())
         console.print(run.task.describe_answers())
-    if episode_functions is not None and getattr(run.engine, "episodes", None) is not None:
+    if episode_functions is not None and run.engine.episodes is not None:
         run.engine.episodes.functions = episode_functions
     return run_preflight(run, progress)
 

@@ -22,10 +22,11 @@ from grpolab.core import CoreFunctions
 from grpolab.dist import Dist
 from grpolab.evaluate import accuracy_rewards
 from grpolab.functions import core_functions
+from grpolab.lora import wrap_lora
 from grpolab.models import load_policy, resolve_model_source
 from grpolab.precision import FP32, Precision, forget_casts_on_step, resolve_precision
 from grpolab.rewards import Rewards, load_rewards
-from grpolab.rollout import build_engine
+from grpolab.rollout import RolloutEngine, build_engine
 from grpolab.rollout.common import longest_prompt
 from grpolab.tasks import Task, load_task
 
@@ -78,7 +79,7 @@ class Run:
     model: torch.nn.Module
     tokenizer: Any
     ref_model: torch.nn.Module | None  # beta > 0 without LoRA: a frozen copy of the start
-    engine: Any
+    engine: RolloutEngine
     task: Task
     rewards: Rewards  # the training reward functions
     accuracy: Rewards  # the accuracy reward alone, for the accuracy metric and evaluation
@@ -364,27 +365,3 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     return len(parts)
 
 
-def lora_config(cfg: Config):
-    """peft's LoraConfig for trainer.lora_*: the adapters grpolab trains (and what a peer
-    trainer is given to train the same ones)."""
-    t = cfg.trainer
-    try:
-        from peft import LoraConfig
-    except ImportError as e:
-        raise ImportError(
-            f"trainer.lora_r={t.lora_r} needs peft: pip install 'grpolab[lora]'"
-        ) from e
-    return LoraConfig(
-        r=t.lora_r,
-        lora_alpha=t.lora_alpha,
-        lora_dropout=t.lora_dropout,
-        target_modules=list(t.lora_target_modules),
-        task_type="CAUSAL_LM",
-    )
-
-
-def wrap_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-    """`model` with LoRA adapters on trainer.lora_target_modules; only they are trainable."""
-    from peft import get_peft_model
-
-    return get_peft_model(model, lora_config(cfg))

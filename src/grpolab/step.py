@@ -209,7 +209,7 @@ def collect(run: Run, step: int) -> StepBatch:
 def episode_normaliser_mask(run: Run, rollout: Rollout) -> torch.Tensor | None:
     """[B, T] on the run's device: the tokens the engine's episode functions say a token-mode
     loss is normalised by; None for single-turn rollouts (the loss mask itself)."""
-    episodes = getattr(run.engine, "episodes", None)
+    episodes = run.engine.episodes
     if rollout.turns is None or episodes is None:
         return None
     return episodes.functions.normaliser_mask(rollout).to(run.device)
@@ -581,7 +581,7 @@ def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, An
     metrics |= batch.sampling
     metrics |= batch.timings
     metrics["time/step"] = sum(batch.timings.values())
-    sync_gap = getattr(run.engine, "last_sync_gap", None)  # vLLM: the verified sync's canary
+    sync_gap = run.engine.last_sync_gap  # the verified sync's gap (check_sync)
     if sync_gap is not None:
         metrics["engine/sync_gap"] = sync_gap
     metrics["tokens_per_s"] = float(batch.attention_mask.sum()) / max(metrics["time/step"], 1e-9)

@@ -501,9 +501,7 @@ def finish(session: Session) -> dict[str, Any]:
         "config_changes": session.progress.get("config_changes", []),
     }
     (session.log_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    close_engine = getattr(run.engine, "close", None)
-    if callable(close_engine):  # vLLM tears its process groups down: before the trainer's
-        close_engine()
+    run.engine.close()  # vLLM tears its process groups down: before the trainer's
     dist_module.shutdown()
     if before is not None and after is not None:
         console.print(

@@ -204,18 +204,7 @@ def probe_contracts(
             impl.grpo_loss, logp_new, logp_old, logp_old, adv, mask,
             **s.objective.loss_kwargs() | {"beta": 0.04, "max_completion_length": T - 1},
         )  # fmt: skip
-        pair = _pair(out, "(loss, metrics)")
-        if isinstance(pair, str):
-            return pair, line
-        loss, metrics = pair
-        problem = _tensor_problem("a loss", loss, ())
-        if problem is None and not isinstance(metrics, Mapping):
-            problem = f"returned metrics as a {type(metrics).__name__}, expected a dict"
-        if problem is None:
-            absent = [k for k in METRIC_KEYS if k not in metrics]
-            if absent:
-                problem = f"returned metrics without {', '.join(absent)}"
-        return problem, line
+        return _loss_problem(out), line
 
     probes = {
         "sequence_logprobs": run_sequence_logprobs,
@@ -225,23 +214,44 @@ def probe_contracts(
         "aggregate": run_aggregate,
         "grpo_loss": run_grpo_loss,
     }
-    problems: dict[str, str] = {}
     with eval_mode(model, zero_grad=True):
-        for name, probe in probes.items():
-            if written.state[name] != "written":
-                continue
-            try:
-                problem, line = probe()
-            except NotImplementedError:
-                continue  # it calls a function still to write: that goal is "not yet"
-            except Exception as err:
-                line = impl_error_line(err, impl.path) if impl.path else None
-                problem = f"raised {type(err).__name__}: {err}"
-            if problem:
-                line = line or written.lines.get(name)
-                where = f"{Path(impl.path).name}:{line}: " if line else ""
-                problems[name] = f"{where}{name} {problem}"
+        return _run_probes(probes, written, impl)
+
+
+def _run_probes(probes: dict, written: Written, impl: CoreFunctions) -> dict[str, str]:
+    """function -> its problem, for each written function whose probe finds one."""
+    problems: dict[str, str] = {}
+    for name, probe in probes.items():
+        if written.state[name] != "written":
+            continue
+        try:
+            problem, line = probe()
+        except NotImplementedError:
+            continue  # it calls a function still to write: that goal is "not yet"
+        except Exception as err:
+            line = impl_error_line(err, impl.path) if impl.path else None
+            problem = f"raised {type(err).__name__}: {err}"
+        if problem:
+            line = line or written.lines.get(name)
+            where = f"{Path(impl.path).name}:{line}: " if line else ""
+            problems[name] = f"{where}{name} {problem}"
     return problems
+
+
+def _loss_problem(out) -> str | None:
+    """What is wrong with grpo_loss's return value (a (loss, metrics) pair), or None."""
+    pair = _pair(out, "(loss, metrics)")
+    if isinstance(pair, str):
+        return pair
+    loss, metrics = pair
+    problem = _tensor_problem("a loss", loss, ())
+    if problem is None and not isinstance(metrics, Mapping):
+        problem = f"returned metrics as a {type(metrics).__name__}, expected a dict"
+    if problem is None:
+        absent = [k for k in METRIC_KEYS if k not in metrics]
+        if absent:
+            problem = f"returned metrics without {', '.join(absent)}"
+    return problem
 
 
 # --- Goals from the checks ---------------------------------------------------------------------

@@ -103,6 +103,40 @@ def load_rewards(
     elif not isinstance(cfg, RewardsConfig):
         cfg = RewardsConfig(functions=list(cfg))
     task_name, kind = _task_judge(task)
+    weights = _checked_weights(cfg)
+    out = Rewards()
+    seen: dict[str, int] = {}
+    for ref, weight in zip(cfg.functions, weights, strict=True):
+        builtin = isinstance(ref, str) and ref in BUILTIN_REWARDS
+        if ref == "accuracy" and isinstance(task, Task) and not task.has_references:
+            raise ValueError(
+                "the 'accuracy' reward needs reference answers, and the task's rows have none "
+                "(no 'answer' or 'solution' field; task.answer_field names another): name "
+                "the reward functions that judge them (rewards.functions, reward_funcs)"
+            )
+        fn = _reward_callable(ref, cfg, task_name, kind, max_completion_length)
+        name = _display(ref)
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:
+            name = f"{name}_{seen[name]}"
+        out.append(
+            RewardFunction(
+                name=name,
+                fn=fn,
+                weight=float(weight),
+                timeout=cfg.timeout,
+                fallback=float(cfg.fallback),
+                threaded=not builtin,
+                needs_token_ids=ref == "overlong",
+                learned=getattr(fn, "learned", False),
+                reads_messages=not builtin,
+            )
+        )
+    return out
+
+
+def _checked_weights(cfg: RewardsConfig) -> list[float]:
+    """The functions' weights (1 each unless given), after every rewards.* value is checked."""
     if not cfg.functions:
         raise ValueError("rewards.functions is empty: name at least one reward function")
     weights = cfg.weights if cfg.weights is not None else [1.0] * len(cfg.functions)
@@ -122,51 +156,27 @@ def load_rewards(
         raise ValueError(
             f"rewards.accuracy_mode={cfg.accuracy_mode!r} is not one of {list(ACCURACY_MODES)}"
         )
+    return weights
 
-    out = Rewards()
-    seen: dict[str, int] = {}
-    for ref, weight in zip(cfg.functions, weights, strict=True):
-        builtin = isinstance(ref, str) and ref in BUILTIN_REWARDS
-        if ref == "accuracy" and isinstance(task, Task) and not task.has_references:
-            raise ValueError(
-                "the 'accuracy' reward needs reference answers, and the task's rows have none "
-                "(no 'answer' or 'solution' field; task.answer_field names another): name "
-                "the reward functions that judge them (rewards.functions, reward_funcs)"
-            )
-        if builtin:
-            fn = {
-                "accuracy": lambda: make_accuracy(cfg.accuracy_mode, task_name, kind),
-                "format": lambda: make_format(cfg.format_pattern),
-                "overlong": lambda: make_overlong(max_completion_length, cfg.overlong_buffer),
-            }[ref]()
-        elif isinstance(ref, torch.nn.Module):  # a loaded reward model (the Python API)
-            fn = RewardModel(ref)
-        elif callable(ref):
-            fn = ref
-        elif isinstance(ref, str) and is_model_reference(ref):
-            fn = RewardModel(ref)
-        elif isinstance(ref, str):
-            fn = resolve_function(ref)
-        else:
-            raise ValueError(f"rewards.functions: {ref!r} is neither a name nor a function")
-        name = _display(ref)
-        seen[name] = seen.get(name, 0) + 1
-        if seen[name] > 1:
-            name = f"{name}_{seen[name]}"
-        out.append(
-            RewardFunction(
-                name=name,
-                fn=fn,
-                weight=float(weight),
-                timeout=cfg.timeout,
-                fallback=float(cfg.fallback),
-                threaded=not builtin,
-                needs_token_ids=ref == "overlong",
-                learned=getattr(fn, "learned", False),
-                reads_messages=not builtin,
-            )
-        )
-    return out
+
+def _reward_callable(ref, cfg: RewardsConfig, task_name, kind, max_completion_length):
+    """What rewards.functions' entry `ref` names: a built-in made for this task, a reward
+    model (loaded, or a hub id / directory), a function object, or one in a file or module."""
+    if isinstance(ref, str) and ref in BUILTIN_REWARDS:
+        return {
+            "accuracy": lambda: make_accuracy(cfg.accuracy_mode, task_name, kind),
+            "format": lambda: make_format(cfg.format_pattern),
+            "overlong": lambda: make_overlong(max_completion_length, cfg.overlong_buffer),
+        }[ref]()
+    if isinstance(ref, torch.nn.Module):  # a loaded reward model (the Python API)
+        return RewardModel(ref)
+    if callable(ref):
+        return ref
+    if isinstance(ref, str) and is_model_reference(ref):
+        return RewardModel(ref)
+    if isinstance(ref, str):
+        return resolve_function(ref)
+    raise ValueError(f"rewards.functions: {ref!r} is neither a name nor a function")
 
 
 def _task_judge(task: Task | TaskConfig | str | None) -> tuple[str | None, str | None]:
@@ -204,22 +214,52 @@ def score(
     """
     if not isinstance(rewards, Rewards):
         rewards = load_rewards(rewards)
+    rollout, completions, G = _samples(rollout_or_completions, num_generations)
+    B = len(completions)
+    per_sample = _expand_examples(examples, B, G, rollout)
+    columns, conversational = _reward_columns(per_sample, rollout, completion_ids, rewards, B)
+    total, per_function, errors, metrics, error_texts = _run_rewards(
+        rewards, completions, columns, conversational
+    )
+    if rollout is not None and rollout.episode_rewards is not None:
+        total += _environment_reward(rollout.episode_rewards, per_function, metrics)
+    # A sample every function scored None (a failure gets the fallback, not None) has no
+    # reward: it counts 0 in the total but does not vote in its group's baseline.
+    scorable = torch.zeros(B, dtype=torch.bool)
+    for t in per_function.values():
+        scorable |= ~t.isnan()
+    if not per_function:
+        scorable[:] = True
+    metrics |= _batch_metrics(total, scorable, G, zero_std_eps, rollout)
+    return RewardResult(
+        total=total,
+        per_function=per_function,
+        errors=errors,
+        metrics=metrics,
+        error_texts=error_texts,
+        scorable=scorable,
+    )
+
+
+def _samples(rollout_or_completions, num_generations: int | None):
+    """(the Rollout or None, the completions' texts, G), G checked against the batch."""
     if isinstance(rollout_or_completions, Rollout):
         rollout = rollout_or_completions
-        completions = list(rollout.completions)
-        B = len(completions)
         G = _group_size(rollout.group_ids)
         if num_generations is not None and num_generations != G:
             raise ValueError(f"num_generations={num_generations} but the rollout has G={G}")
-    else:
-        rollout = None
-        completions = list(rollout_or_completions)
-        B = len(completions)
-        G = num_generations or B
-        if B == 0 or B % G:
-            raise ValueError(f"{B} completions are not a positive multiple of G={G}")
-    per_sample = _expand_examples(examples, B, G, rollout)
+        return rollout, list(rollout.completions), G
+    completions = list(rollout_or_completions)
+    B = len(completions)
+    G = num_generations or B
+    if B == 0 or B % G:
+        raise ValueError(f"{B} completions are not a positive multiple of G={G}")
+    return None, completions, G
 
+
+def _reward_columns(per_sample, rollout, completion_ids, rewards, B: int):
+    """(the keyword columns every reward function is given, one value per sample; whether
+    the prompts are conversations)."""
     columns: dict[str, list] = {}
     for key in dict.fromkeys(k for ex in per_sample for k in ex.columns):
         columns[key] = [ex.columns.get(key) for ex in per_sample]
@@ -240,7 +280,13 @@ def score(
         columns["completion_ids"] = [list(ids) for ids in completion_ids]
     elif any(fn.needs_token_ids for fn in rewards):
         raise ValueError("the 'overlong' reward needs token ids: score a Rollout")
+    return columns, conversational
 
+
+def _run_rewards(rewards: Rewards, completions: list[str], columns: dict, conversational: bool):
+    """Each function on every sample: (weighted total [B], values per function [B] with NaN
+    where it gave None, errors per function, its metrics, its last error's text)."""
+    B = len(completions)
     total = torch.zeros(B, dtype=torch.float32)
     per_function: dict[str, torch.Tensor] = {}
     errors: dict[str, int] = {}
@@ -265,16 +311,12 @@ def score(
         metrics[f"reward_errors/{fn.name}"] = float(n_errors)
         if valid.numel() < B:
             metrics[f"rewards/{fn.name}/none_frac"] = 1 - valid.numel() / B
-    if rollout is not None and rollout.episode_rewards is not None:
-        total += _environment_reward(rollout.episode_rewards, per_function, metrics)
-    # A sample every function scored None (a failure gets the fallback, not None) has no
-    # reward: it counts 0 in the total but does not vote in its group's baseline.
-    scorable = torch.zeros(B, dtype=torch.bool)
-    for t in per_function.values():
-        scorable |= ~t.isnan()
-    if not per_function:
-        scorable[:] = True
-    metrics["reward/unscorable"] = 1 - scorable.float().mean().item()
+    return total, per_function, errors, metrics, error_texts
+
+
+def _batch_metrics(total, scorable, G: int, zero_std_eps: float, rollout) -> dict[str, float]:
+    """The batch's reward spread, flat groups, and (for a Rollout) its lengths."""
+    metrics = {"reward/unscorable": 1 - scorable.float().mean().item()}
     metrics["reward/mean"] = total.mean().item()
     metrics["reward/std"] = total.std(unbiased=False).item()
     group_std = total.view(-1, G).std(dim=1, unbiased=False)
@@ -286,14 +328,7 @@ def score(
         metrics["completion_length/max"] = lengths.max().item()
         metrics["completion_length/min"] = lengths.min().item()
         metrics |= episode_metrics(rollout)
-    return RewardResult(
-        total=total,
-        per_function=per_function,
-        errors=errors,
-        metrics=metrics,
-        error_texts=error_texts,
-        scorable=scorable,
-    )
+    return metrics
 
 
 def _environment_reward(

@@ -12,6 +12,7 @@ from grpolab.rollout.base import (
     RolloutEngine,
     SamplingParams,
     Turn,
+    engine_class,
 )
 from grpolab.rollout.common import SAMPLERS
 from grpolab.rollout.episodes import EpisodeFunctions, EpisodeSetup
@@ -27,39 +28,21 @@ def build_engine(
     model_path: str | None = None,
     precision: Precision = FP32,
 ) -> RolloutEngine:
-    """The engine `cfg.engine` names. "hf" samples with `model` itself; "vllm" starts an
-    engine from `model_path` (a Hugging Face directory; the trainer's model is saved to one
-    when None) and is kept in sync through `engine.sync_weights(model)`. `precision`: what
-    both engines sample in (hf: bf16 copies of the weights under autocast; vLLM: its weights
-    in bfloat16)."""
-    episodes = episode_setup(cfg, tokenizer, chat_template)
-    if cfg.engine == "hf":
-        from grpolab.rollout.hf import HFEngine
-
-        return HFEngine(
-            model,
-            tokenizer,
-            chat_template=chat_template,
-            system_prompt=system_prompt,
-            shared_prefill=cfg.shared_prefill,
-            episodes=episodes,
-            precision=precision,
-            sync_tolerance=cfg.vllm_sync_tolerance,
-        )
-    if cfg.engine == "vllm":
-        from grpolab.rollout.vllm import VLLMEngine
-
-        return VLLMEngine.from_model(
-            model,
-            tokenizer,
-            cfg,
-            model_path=model_path,
-            chat_template=chat_template,
-            system_prompt=system_prompt,
-            episodes=episodes,
-            precision=precision,
-        )
-    raise ValueError(f"rollout.engine={cfg.engine!r} is not one of {list(ENGINES)}")
+    """The engine `cfg.engine` names (ENGINES). "hf" samples with `model` itself; "vllm"
+    starts an engine from `model_path` (a Hugging Face directory; the trainer's model is
+    saved to one when None) and is kept in sync through `engine.sync_weights(model)`.
+    `precision`: what both engines sample in (hf: bf16 copies of the weights under autocast;
+    vLLM: its weights in bfloat16)."""
+    return engine_class(cfg.engine).from_model(
+        model,
+        tokenizer,
+        cfg,
+        model_path=model_path,
+        chat_template=chat_template,
+        system_prompt=system_prompt,
+        episodes=episode_setup(cfg, tokenizer, chat_template),
+        precision=precision,
+    )
 
 
 def episode_setup(cfg: RolloutConfig, tokenizer, chat_template: bool) -> EpisodeSetup | None:
@@ -89,5 +72,6 @@ __all__ = [
     "SamplingParams",
     "Turn",
     "build_engine",
+    "engine_class",
     "episode_setup",
 ]

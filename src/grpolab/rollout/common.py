@@ -167,7 +167,7 @@ def checked_prompt_ids(
     """What every engine's generate() starts with: the sampling settings checked and the
     prompts rendered and encoded with the engine's tokenizer, chat template and context."""
     check_sampling(num_generations, params)
-    episodes = getattr(engine, "episodes", None)
+    episodes = engine.episodes
     new_tokens = params.max_completion_length
     if episodes is not None:
         new_tokens = params.max_episode_tokens or episodes.max_tokens
@@ -187,7 +187,7 @@ def prompt_settings(engine) -> tuple[str | None, list[dict] | None]:
     """(system prompt, tool schemas) an engine renders its prompts with: an episode's tools
     go through the chat template's `tools=`, or into the system prompt for a template
     without tool support."""
-    episodes = getattr(engine, "episodes", None)
+    episodes = engine.episodes
     system_prompt, tools = engine.system_prompt, None
     if episodes is not None:
         tools = episodes.schemas or None
@@ -202,7 +202,7 @@ def longest_prompt(engine, prompts: Sequence[str], room: int) -> tuple[int, int]
     prompt provably fits. A token holds at least one byte of the rendered text (byte-level
     BPE, SentencePiece, character vocabularies), so a prompt whose bytes plus the template's
     own and a few special tokens fit is not encoded: a large task costs no tokenizing."""
-    context = getattr(engine, "context_length", None)
+    context = engine.context_length
     if not context or not prompts:
         return None
     tokenizer, template = engine.tokenizer, engine.chat_template

@@ -24,15 +24,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from grpolab.core import position_ids
-from grpolab.models import (
-    base_model,
-    eval_mode,
-    is_lora,
-    lora_layers,
-    merged_lora_weight,
-    plain_kv_cache,
-    plain_lora,
-)
+from grpolab.lora import is_lora, lora_layers, merged_lora_weight, plain_lora
+from grpolab.models import base_model, eval_mode, plain_kv_cache
 from grpolab.precision import (
     FP32,
     Precision,
@@ -41,7 +34,7 @@ from grpolab.precision import (
     casts_forgotten,
     forget_casts,
 )
-from grpolab.rollout.base import Rollout, SamplingParams
+from grpolab.rollout.base import Rollout, RolloutConfig, RolloutEngine, SamplingParams
 from grpolab.rollout.common import (
     SAMPLERS,
     WeightSyncError,
@@ -60,7 +53,7 @@ from grpolab.rollout.episodes import (
 )
 
 
-class HFEngine:
+class HFEngine(RolloutEngine):
     """RolloutEngine on a transformers model. The model is shared with the trainer (no copy),
     so `sync_weights` of that same model is a no-op in float32.
 
@@ -102,6 +95,30 @@ class HFEngine:
         model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.stop_ids = stop_token_ids(tokenizer, model_eos)
         self.pad_id = pad_token_id(tokenizer)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        tokenizer,
+        cfg: RolloutConfig,
+        model_path: str | None = None,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+        episodes: EpisodeSetup | None = None,
+        precision: Precision = FP32,
+    ) -> HFEngine:
+        """An engine on the trainer's own `model` (no copy; `model_path` is not needed)."""
+        return cls(
+            model,
+            tokenizer,
+            chat_template=chat_template,
+            system_prompt=system_prompt,
+            shared_prefill=cfg.shared_prefill,
+            episodes=episodes,
+            precision=precision,
+            sync_tolerance=cfg.vllm_sync_tolerance,
+        )
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         if model is not self.model:

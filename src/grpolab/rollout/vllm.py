@@ -41,9 +41,10 @@ from pathlib import Path
 
 import torch
 
-from grpolab.models import base_model, lora_layers, merged_lora_weight
+from grpolab.lora import lora_layers, merged_lora_weight
+from grpolab.models import base_model
 from grpolab.precision import FP32, Precision, autocast
-from grpolab.rollout.base import Rollout, RolloutConfig, SamplingParams
+from grpolab.rollout.base import Rollout, RolloutConfig, RolloutEngine, SamplingParams
 from grpolab.rollout.common import (
     CANARY_TEXT,
     WeightSyncError,
@@ -171,7 +172,7 @@ def save_for_engine(model: torch.nn.Module, tokenizer, path: str | Path) -> None
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     """RolloutEngine on a vLLM `LLM` loaded from a Hugging Face model directory."""
 
     def __init__(
