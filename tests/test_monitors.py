@@ -220,3 +220,26 @@ def test_dropout_breaks_the_first_ratio_and_both_guards_see_it(tmp_path):
     (row,) = _rows(tmp_path / "monitored")
     assert row["monitor/ratio_dev"] > 1e-2
     assert any("ratio - 1" in w for w in row["warnings"])
+
+
+def test_under_bf16_the_mean_engine_gap_is_watched_not_its_rounding_tail():
+    """bf16 engines round apart: a max gap of 2 nats over a step's tokens is rounding (seen on
+    the real-model example) and warns of nothing; a mean of 0.3 nats per token (a wrong
+    temperature, other weights) does. Under fp32 the max stays watched at 1e-3."""
+    from types import SimpleNamespace
+
+    from grpolab.monitors import limits_for
+    from grpolab.precision import FP32, Precision
+
+    trainer = SimpleNamespace(
+        monitor_clip_frac_max=0.3, monitor_zero_std_max=0.95, monitor_reward_strict_gap=0.1
+    )
+    bf16 = limits_for(trainer, "float32", Precision("bf16", "test"))
+    rounding = HEALTHY | {"monitor/engine_gap": 2.04, "monitor/engine_gap_mean": 0.03}
+    assert check_step(6, rounding, bf16, trainer_logp_old=True) == []
+    wrong = rounding | {"monitor/engine_gap_mean": 0.35}
+    (warning,) = check_step(6, wrong, bf16, trainer_logp_old=True)
+    assert "mean |engine logp - trainer logp| = 0.35" in warning
+    fp32 = limits_for(trainer, "float32", FP32)
+    (warning,) = check_step(6, HEALTHY | {"monitor/engine_gap": 0.01}, fp32, trainer_logp_old=True)
+    assert "max |engine logp - trainer logp|" in warning

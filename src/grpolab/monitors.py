@@ -37,7 +37,11 @@ class MonitorLimits:
     ratio_dev: float = 1e-3  # |ratio - 1| before the first update (trainer's logp_old)
     kl_min: float = -1e-6  # k3 is never negative
     adv_group_sum: float = 1e-4  # |sum of a group's advantages| (relative to G)
-    engine_gap: float = 1e-3  # |engine logp - trainer logp| on the sampled tokens
+    engine_gap: float = 1e-3  # max |engine logp - trainer logp| on the sampled tokens
+    # What the step monitor allows of that max, and of its mean over the tokens: the max
+    # under fp32; the mean under bf16, whose max is a tail of roundings (BF16_ENGINE_GAP).
+    engine_gap_watched: float = 1e-3
+    engine_gap_mean: float = math.inf
     clip_frac_max: float = 0.3  # a policy moving this far per step is unstable
     zero_std_max: float = 0.95  # groups with no reward variance teach nothing
     # Rewarded-as-right fraction minus strict accuracy, as a mean over `divergence_window`
@@ -55,12 +59,17 @@ class MonitorLimits:
 
 # Under trainer.precision=bf16 the engine and the loss forward are two bf16 computations of
 # the same weights (a KV-cache decode over LoRA-merged copies, a chunked lm-head over the
-# adapters), each rounded its own way: on SmolLM2-135M the largest gap over a step's ~900
-# sampled tokens had a median of 0.25 nats and reached 1.22 (140 steps of the real-model
-# example), from rounding alone, largest early, when unlikely tokens are sampled. A wrong
-# temperature or another model moves them by nats; the preflight's engine.agreement holds
-# the engine to the plain bf16 path's own error instead.
+# adapters), each rounded its own way. The largest gap over a step's ~900 sampled tokens is
+# a tail of those roundings: on SmolLM2-135M its median was 0.25 nats, and it reached 1.24 and
+# 2.04 in 200 steps of the real-model example (largest early, when unlikely tokens are
+# sampled), while a wrong temperature in the loss gave only 0.9-2.3 on a trained model. The
+# preflight's probes keep BF16_ENGINE_GAP as their bound (engine.agreement holds the engine
+# to the plain bf16 path's own error); the step monitor watches the mean gap per token, which
+# separates: 0.0004-0.028 nats for the right engine (the base model the largest), 0.35-0.54
+# for a temperature of 0.7 or 1.3 in the loss, 0.61-0.74 for unsynced weights, 1.7-1.9 for an
+# engine on the base weights after training (bench: three 64-row rollouts each).
 BF16_ENGINE_GAP = 2.0
+BF16_ENGINE_GAP_MEAN = 0.1
 
 
 def limits_for(trainer_cfg, model_dtype: str, precision: Precision) -> MonitorLimits:
@@ -69,6 +78,8 @@ def limits_for(trainer_cfg, model_dtype: str, precision: Precision) -> MonitorLi
     engine_gap = BF16_ENGINE_GAP if precision.bf16 else float32_stack
     return MonitorLimits(
         engine_gap=engine_gap,
+        engine_gap_watched=math.inf if precision.bf16 else float32_stack,
+        engine_gap_mean=BF16_ENGINE_GAP_MEAN if precision.bf16 else math.inf,
         clip_frac_max=trainer_cfg.monitor_clip_frac_max,
         zero_std_max=trainer_cfg.monitor_zero_std_max,
         reward_strict_gap=trainer_cfg.monitor_reward_strict_gap,
@@ -112,7 +123,13 @@ WATCHES = (
     Watch(
         "monitor/engine_gap",
         "max |engine logp - trainer logp|",
-        "engine_gap",
+        "engine_gap_watched",
+        "the engine samples from other weights or another temperature than the trainer",
+    ),
+    Watch(
+        "monitor/engine_gap_mean",
+        "mean |engine logp - trainer logp|",
+        "engine_gap_mean",
         "the engine samples from other weights or another temperature than the trainer",
     ),
     Watch(

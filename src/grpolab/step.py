@@ -115,6 +115,8 @@ class UpdateStats:
     nonfinite: str | None = None  # what went non-finite first
     ratio_dev: float = 0.0  # max |ratio - 1| before the step's first update
     engine_gap: float | None = None  # max |engine logp - trainer logp| before it
+    engine_gap_sum: float = 0.0  # sum of |engine logp - trainer logp| over those tokens
+    engine_gap_tokens: float = 0.0
     tis_capped: float = 0.0  # tokens whose importance weight hit the cap
     tis_weight: float = 0.0  # sum of the importance weights
     tis_tokens: float = 0.0
@@ -469,8 +471,10 @@ def micro_step(
         deviation = masked_max_abs(torch.exp(logp.detach() - old) - 1, mask)
         stats.ratio_dev = max(stats.ratio_dev, deviation)
         if engine is not None:
-            gap = masked_max_abs(engine - logp.detach(), mask)
-            stats.engine_gap = max(stats.engine_gap or 0.0, gap)
+            gap = (engine - logp.detach()).abs() * mask.bool()  # [b, T-1]
+            stats.engine_gap = max(stats.engine_gap or 0.0, masked_max_abs(gap, mask))
+            stats.engine_gap_sum += float(gap.sum())
+            stats.engine_gap_tokens += float(mask.bool().sum())
     kwargs = core.accepted_kwargs(fns.grpo_loss, o.loss_kwargs())
     if cfg.trainer.tis_cap is not None:
         kwargs["token_weights"] = engine_weights(run, old, engine, mask, stats)
@@ -575,6 +579,9 @@ def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, An
         metrics["episode/correct_tool_use"] = float(right.float().mean())
     if stats.engine_gap is not None:
         metrics["monitor/engine_gap"] = stats.engine_gap
+        metrics["monitor/engine_gap_mean"] = stats.engine_gap_sum / max(
+            stats.engine_gap_tokens, 1.0
+        )
     if run.cfg.trainer.tis_cap is not None:
         metrics["tis/weight_mean"] = stats.tis_weight / max(stats.tis_tokens, 1.0)
         metrics["tis/capped_frac"] = stats.tis_capped / max(stats.tis_tokens, 1.0)

@@ -34,7 +34,7 @@ from grpolab.precision import (
     casts_forgotten,
     forget_casts,
 )
-from grpolab.rollout.base import Rollout, RolloutConfig, RolloutEngine, SamplingParams
+from grpolab.rollout.base import Rollout, RolloutConfig, SamplingParams
 from grpolab.rollout.common import (
     SAMPLERS,
     WeightSyncError,
@@ -44,6 +44,7 @@ from grpolab.rollout.common import (
     pad_token_id,
     stop_token_ids,
 )
+from grpolab.rollout.engine import RolloutEngine
 from grpolab.rollout.episodes import (
     Episode,
     EpisodeRow,

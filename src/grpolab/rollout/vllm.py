@@ -44,7 +44,7 @@ import torch
 from grpolab.lora import lora_layers, merged_lora_weight
 from grpolab.models import base_model
 from grpolab.precision import FP32, Precision, autocast
-from grpolab.rollout.base import Rollout, RolloutConfig, RolloutEngine, SamplingParams
+from grpolab.rollout.base import Rollout, RolloutConfig, SamplingParams
 from grpolab.rollout.common import (
     CANARY_TEXT,
     WeightSyncError,
@@ -55,6 +55,7 @@ from grpolab.rollout.common import (
     stop_token_ids,
     trainer_logprobs,
 )
+from grpolab.rollout.engine import RolloutEngine
 from grpolab.rollout.episodes import (
     Episode,
     EpisodeRow,
