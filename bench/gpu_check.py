@@ -233,8 +233,8 @@ def train(out: Path) -> None:
     """A few GRPO optimizer steps on 64 sequences of 128 prompt + 256 completion tokens:
     fp32 master weights under bf16 autocast, and bf16 weights; gradient checkpointing off/on;
     then 8 prompts x G = 8 (rows of a group share the prompt) with one forward per row, one per
-    prompt (trainer.shared_prefix), and one per prompt with the layers' parts compiled
-    (trainer.torch_compile). Time split: log-prob forward, backward, optimizer step."""
+    prompt (runtime.shared_prefix), and one per prompt with the layers' parts compiled
+    (runtime.torch_compile). Time split: log-prob forward, backward, optimizer step."""
     from grpolab import core
     from grpolab.logprobs import token_logprobs
     from grpolab.setup import compile_decoder_layers

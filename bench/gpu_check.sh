@@ -65,8 +65,8 @@ part logprobs 90 "$PY" bench/logprobs.py --device cuda --dtype bfloat16 --shapes
 if [ "$NGPU" -gt 1 ]; then
     part fsdp2 90 "$PY" -m torch.distributed.run --nproc_per_node 2 -m grpolab train \
         --overwrite output_dir="$OUT/fsdp2-run" max_steps=3 model.device=cuda \
-        trainer.distributed=fsdp trainer.prompts_per_step=8 trainer.eval_examples=0 \
-        trainer.progress=false
+        parallel.strategy=fsdp batch.prompts_per_step=8 eval.eval_examples=0 \
+        logging.progress=false
     grep -h '"step"' "$OUT/fsdp2-run/metrics.jsonl" 2>/dev/null | tail -n 3 >>"$SUMMARY"
 else
     say ""

@@ -42,7 +42,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
 
     from grpolab import core
-    from grpolab.checks import float64_logprobs
+    from grpolab.checks.reference import float64_logprobs
     from grpolab.config import load_config
     from grpolab.logprobs import token_logprobs
     from grpolab.preflight import (

@@ -127,10 +127,11 @@ def build_batch(seed: int = 0) -> Batch:
 def grpolab_side(batch: Batch, overrides: list[str]):
     """(advantages [B], loss, grad [B, L]) of grpolab's core under `overrides`."""
     from grpolab import core
-    from grpolab.config import load_config
+    from grpolab.config import load_config, objective_of
 
-    o = load_config(None, [f"trainer.beta={BETA}", "rollout.max_completion_length=8", *overrides])
-    o = o.objective
+    o = objective_of(
+        load_config(None, [f"objective.beta={BETA}", "rollout.max_completion_length=8", *overrides])
+    )
     kwargs = o.advantage_kwargs()
     if o.advantage_estimator == "reinforce_pp":
         kwargs["lengths"] = batch.mask.sum(1)
@@ -365,11 +366,11 @@ CASES: list[tuple[str, str, list[str], Callable, str]] = [
         ),
         "grpolab's advantages",
     ),
-    ("trl", "TRL 1.16 GRPOTrainer", ["trainer.profile=trl"], lambda b: trl_side(b), "defaults"),
+    ("trl", "TRL 1.16 GRPOTrainer", ["objective.profile=trl"], lambda b: trl_side(b), "defaults"),
     (
         "trl",
         "TRL 1.16 GRPOTrainer",
-        ["trainer.profile=trl"],
+        ["objective.profile=trl"],
         lambda b: trl_side(b),
         "None rewards (TRL PR #5902)",
         with_unscorable,
@@ -380,10 +381,10 @@ CASES: list[tuple[str, str, list[str], Callable, str]] = [
         # Without the KL bias correction: under GSPO TRL 1.16 multiplies each token's KL by
         # the sequence ratio (TRL #6586, its fix PR #7188 unmerged), grpolab by the token's.
         [
-            "trainer.profile=trl",
-            "trainer.importance_sampling_level=sequence",
-            "trainer.loss_type=grpo",
-            "trainer.use_bias_correction_kl=false",
+            "objective.profile=trl",
+            "objective.importance_sampling_level=sequence",
+            "objective.loss_type=grpo",
+            "objective.use_bias_correction_kl=false",
         ],
         lambda b: trl_side(
             b, importance_sampling_level="sequence", loss_type="grpo", use_bias_correction_kl=False
@@ -393,26 +394,26 @@ CASES: list[tuple[str, str, list[str], Callable, str]] = [
     (
         "trl",
         "TRL 1.16 GRPOTrainer",
-        ["trainer.profile=trl", "trainer.loss_type=cispo", "trainer.epsilon_high=5.0"],
+        ["objective.profile=trl", "objective.loss_type=cispo", "objective.epsilon_high=5.0"],
         lambda b: trl_side(b, loss_type="cispo", epsilon_high=5.0),
         "CISPO",
     ),
     (
         "trl",
         "TRL 1.16 GRPOTrainer",
-        ["trainer.profile=trl", "trainer.delta=1.5"],
+        ["objective.profile=trl", "objective.delta=1.5"],
         lambda b: trl_side(b, delta=1.5),
         "two-sided clip",
     ),
-    ("verl", "verl 0.9 core_algos", ["trainer.profile=verl"], lambda b: verl_side(b), "grpo"),
+    ("verl", "verl 0.9 core_algos", ["objective.profile=verl"], lambda b: verl_side(b), "grpo"),
     (
         "verl",
         "verl 0.9 core_algos",
         [
-            "trainer.profile=verl",
-            "trainer.importance_sampling_level=sequence",
-            "trainer.loss_type=sequence",
-            "trainer.dual_clip=null",
+            "objective.profile=verl",
+            "objective.importance_sampling_level=sequence",
+            "objective.loss_type=sequence",
+            "objective.dual_clip=null",
         ],
         lambda b: verl_side(b, loss_mode="gspo"),
         "GSPO",
@@ -420,28 +421,28 @@ CASES: list[tuple[str, str, list[str], Callable, str]] = [
     (
         "verl",
         "verl 0.9 core_algos",
-        ["trainer.profile=verl", "trainer.advantage_estimator=rloo"],
+        ["objective.profile=verl", "objective.advantage_estimator=rloo"],
         lambda b: verl_side(b, estimator="rloo"),
         "RLOO",
     ),
     (
         "verl",
         "verl 0.9 core_algos",
-        ["trainer.profile=verl", "trainer.advantage_estimator=reinforce_pp"],
+        ["objective.profile=verl", "objective.advantage_estimator=reinforce_pp"],
         lambda b: verl_side(b, estimator="reinforce_pp"),
         "REINFORCE++ baseline",
     ),
     (
         "openrlhf",
         "OpenRLHF 0.11 loss code",
-        ["trainer.profile=openrlhf"],
+        ["objective.profile=openrlhf"],
         lambda b: openrlhf_side(b),
         "group_norm",
     ),
     (
         "openrlhf",
         "OpenRLHF 0.11 loss code",
-        ["trainer.profile=openrlhf", "trainer.advantage_estimator=rloo"],
+        ["objective.profile=openrlhf", "objective.advantage_estimator=rloo"],
         lambda b: openrlhf_side(b, estimator="rloo"),
         "RLOO",
     ),

@@ -11,7 +11,7 @@ steps: `examples/smollm2-arithmetic.yaml` (SmolLM2-135M-Instruct, LoRA r16, 8 pr
 16 tokens), `--steps` trainer steps per setting, each setting in its own process with the heap
 set as `grpolab train` sets it (`memory.fix_malloc_thresholds`), side by side in one run;
 the table shows the median of the steps after the first (warm-up) per phase (rollout, old
-log-probs, update). Every row is run (trainer.skip_zero_advantage=false), so
+log-probs, update). Every row is run (runtime.skip_zero_advantage=false), so
 the update's work is the same in both precisions; the rollout differs by what it samples
 (the completion tokens are in the table). `floor` is the step's matmul FLOPs at the matmul
 rate measured above and the decode's weight bytes at the measured bandwidth.
@@ -103,7 +103,7 @@ cfg = load_config(%r, overrides)
 model, tokenizer = load_start_model(cfg, torch.device("cpu"))
 run = build_run(cfg, model, tokenizer)
 def prompt_positions(batch, cfg):
-    return (batch.attention_mask.sum() - batch.completion_mask.sum()) / cfg.trainer.num_generations
+    return (batch.attention_mask.sum() - batch.completion_mask.sum()) / cfg.batch.num_generations
 rows = []
 for step in range(1, steps + 1):
     tic = time.perf_counter()
@@ -181,12 +181,12 @@ def bench_steps(threads: int, steps: int, rates: dict) -> list[dict]:
     out = []
     for precision, micro_batch, sampler in SETTINGS:
         overrides = [
-            f"trainer.precision={precision}",
-            f"trainer.gradient_accumulation_steps={64 // micro_batch}",
-            f"rollout.sampler={sampler}",
-            "trainer.skip_zero_advantage=false",
+            f"runtime.precision={precision}",
+            f"batch.gradient_accumulation_steps={64 // micro_batch}",
+            f"rollout.hf.sampler={sampler}",
+            "runtime.skip_zero_advantage=false",
             "task.num_eval=0",
-            f"trainer.num_threads={threads}",
+            f"runtime.num_threads={threads}",
         ]
         result = run_steps(threads, steps, overrides)
         later = result["steps"][1:] or result["steps"]

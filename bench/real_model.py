@@ -38,18 +38,18 @@ NAME = "smollm2-135m-instruct"
 # name -> overrides of the example (2 steps, a 64-prompt evaluation before and after).
 MEMORY_SETTINGS = {
     "full fine-tuning, 64 rows at once": [
-        "trainer.lora_r=0",
-        "trainer.gradient_checkpointing=false",
-        "trainer.gradient_accumulation_steps=1",
+        "lora.r=0",
+        "runtime.gradient_checkpointing=false",
+        "batch.gradient_accumulation_steps=1",
     ],
     "full fine-tuning, 64 rows, checkpointing": [
-        "trainer.lora_r=0",
-        "trainer.gradient_checkpointing=true",
-        "trainer.gradient_accumulation_steps=1",
+        "lora.r=0",
+        "runtime.gradient_checkpointing=true",
+        "batch.gradient_accumulation_steps=1",
     ],
     "full fine-tuning, checkpointing, micro-batches of 8": [
-        "trainer.lora_r=0",
-        "trainer.gradient_checkpointing=true",
+        "lora.r=0",
+        "runtime.gradient_checkpointing=true",
     ],
     "the example (LoRA r 16, micro-batches of 8)": [],
 }
@@ -167,8 +167,8 @@ def bench_memory(settings: list[str]) -> list[dict]:
         with tempfile.TemporaryDirectory(prefix="grpolab-mem-") as out:
             cmd = [
                 sys.executable, "-m", "grpolab", "train", "--config", str(EXAMPLE),
-                "max_steps=2", f"output_dir={out}", "trainer.eval_examples=64",
-                "trainer.progress=false", *overrides,
+                "max_steps=2", f"output_dir={out}", "eval.eval_examples=64",
+                "logging.progress=false", *overrides,
             ]  # fmt: skip
             before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
             tic = time.perf_counter()

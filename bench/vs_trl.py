@@ -7,7 +7,7 @@ settings: G, prompts per step, max completion length, temperature, learning rate
 AdamW betas, grad clipping, epsilon / epsilon_high, beta, loss aggregation (TRL loss_type),
 group reward scaling, one optimizer step per generation batch, float32 on the CPU. Two
 pairings (PAIRINGS), each trainer computing its own advantages: grpolab's defaults against
-TRL set to match them, and grpolab's `trainer.profile=trl` against TRL's own defaults.
+TRL set to match them, and grpolab's `objective.profile=trl` against TRL's own defaults.
 
 Each (trainer, seed) runs in its own process, so peak RSS (ru_maxrss) is its own. Step time
 is the median over the steps after the first; the split is generation / log-probs (+ reward)
@@ -29,7 +29,7 @@ on), its micro-batches (the example's one pass over the 64 rows; with
 `--gradient-accumulation-steps N` TRL's `gradient_accumulation_steps` =
 `steps_per_generation` = N, still one optimizer step per generation batch) and the example's
 2 threads on both sides. `--precision bf16` trains and samples in bf16 on both sides:
-grpolab's `trainer.precision=bf16`, TRL's `bf16=True` (accelerate's autocast around the
+grpolab's `runtime.precision=bf16`, TRL's `bf16=True` (accelerate's autocast around the
 model's forward, generation included), float32 master weights on both. grpolab loads the
 model itself; TRL gets the resolved Hugging Face directory and loads the model (float32) and
 its tokenizer itself. The parity lines then run on the real model (4 prompts x 4, the base
@@ -93,7 +93,7 @@ LOSS_TYPES = {"sequence": "grpo", "token": "bnpo", "constant": "dr_grpo"}
 #   matched:      grpolab's defaults (the seed profile) against TRL configured to match as far
 #                 as TRL can (loss_type, epsilon_high, no KL bias correction); TRL has no
 #                 population std and no zero-std guard, so those two stay TRL's.
-#   trl_defaults: grpolab with trainer.profile=trl against TRL's GRPOConfig defaults.
+#   trl_defaults: grpolab with objective.profile=trl against TRL's GRPOConfig defaults.
 PAIRINGS = ("matched", "trl_defaults")
 
 
@@ -128,7 +128,7 @@ class Settings:
     lora_alpha: int = 16
     lora_target_modules: list[str] = field(default_factory=list)
     # The training and sampling precision on both sides: "bf16" is grpolab's
-    # trainer.precision=bf16 and TRL's bf16=True (accelerate's autocast around every forward,
+    # runtime.precision=bf16 and TRL's bf16=True (accelerate's autocast around every forward,
     # generation included), float32 master weights on both.
     precision: str = "fp32"
 
@@ -163,20 +163,20 @@ def grpolab_config(s: Settings, seed: int, output_dir: str):
             "rewards.functions=[accuracy]",
             f"rollout.temperature={s.temperature}",
             f"rollout.max_completion_length={s.max_completion_length}",
-            f"trainer.prompts_per_step={s.prompts_per_step}",
-            f"trainer.num_generations={s.num_generations}",
+            f"batch.prompts_per_step={s.prompts_per_step}",
+            f"batch.num_generations={s.num_generations}",
             *objective_overrides(s),
-            f"trainer.beta={s.beta}",
-            "trainer.num_iterations=1",
-            "trainer.scale_rewards=group",
-            f"trainer.learning_rate={s.learning_rate}",
-            "trainer.lr_scheduler=constant",
-            f"trainer.adam_beta2={s.adam_beta2}",
-            f"trainer.max_grad_norm={s.max_grad_norm}",
-            "trainer.eval_examples=0",
-            f"trainer.num_threads={s.threads}",
-            f"trainer.precision={s.precision}",
-            "trainer.progress=false",
+            f"objective.beta={s.beta}",
+            "objective.num_iterations=1",
+            "objective.scale_rewards=group",
+            f"optim.learning_rate={s.learning_rate}",
+            "schedule.lr_scheduler=constant",
+            f"optim.adam_beta2={s.adam_beta2}",
+            f"optim.max_grad_norm={s.max_grad_norm}",
+            "eval.eval_examples=0",
+            f"runtime.num_threads={s.threads}",
+            f"runtime.precision={s.precision}",
+            "logging.progress=false",
             *memory_overrides(s),
         ],
     )
@@ -187,14 +187,14 @@ def memory_overrides(s: Settings) -> list[str]:
     (so the warm-up model's config is the one its numbers were measured with)."""
     out = [f"model.name_or_path={s.model}"] if s.model else []
     if s.gradient_checkpointing is not None:
-        out.append(f"trainer.gradient_checkpointing={str(s.gradient_checkpointing).lower()}")
+        out.append(f"runtime.gradient_checkpointing={str(s.gradient_checkpointing).lower()}")
     if s.gradient_accumulation_steps != 1 or s.model:
-        out.append(f"trainer.gradient_accumulation_steps={s.gradient_accumulation_steps}")
+        out.append(f"batch.gradient_accumulation_steps={s.gradient_accumulation_steps}")
     if s.lora_r or s.model:  # a real model's example may set LoRA: 0 must undo it
-        out.append(f"trainer.lora_r={s.lora_r}")
+        out.append(f"lora.r={s.lora_r}")
     if s.lora_r:
         modules = ",".join(s.lora_target_modules)
-        out += [f"trainer.lora_alpha={s.lora_alpha}", f"trainer.lora_target_modules=[{modules}]"]
+        out += [f"lora.alpha={s.lora_alpha}", f"lora.target_modules=[{modules}]"]
     return out
 
 
@@ -204,21 +204,21 @@ def example_settings(model: str) -> Settings:
     from grpolab.config import load_config
 
     cfg = load_config(REAL_EXAMPLE)
-    t, r = cfg.trainer, cfg.rollout
+    b, r = cfg.batch, cfg.rollout
     return Settings(
         model=model,
-        prompts_per_step=t.prompts_per_step,
-        num_generations=t.num_generations,
+        prompts_per_step=b.prompts_per_step,
+        num_generations=b.num_generations,
         max_completion_length=r.max_completion_length,
         temperature=r.temperature,
-        learning_rate=t.learning_rate,
-        loss_agg=t.loss_type,
-        threads=t.num_threads,
-        gradient_checkpointing=t.gradient_checkpointing,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        lora_r=t.lora_r,
-        lora_alpha=t.lora_alpha,
-        lora_target_modules=list(t.lora_target_modules),
+        learning_rate=cfg.optim.learning_rate,
+        loss_agg=cfg.objective.loss_type,
+        threads=cfg.runtime.num_threads,
+        gradient_checkpointing=cfg.runtime.gradient_checkpointing,
+        gradient_accumulation_steps=b.gradient_accumulation_steps,
+        lora_r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_target_modules=list(cfg.lora.target_modules),
     )
 
 
@@ -235,11 +235,11 @@ def trl_lora(s: Settings):
 def objective_overrides(s: Settings) -> list[str]:
     """grpolab's side of the pairing: its profile, or the explicit clip and loss settings."""
     if s.pairing == "trl_defaults":
-        return ["trainer.profile=trl"]
+        return ["objective.profile=trl"]
     return [
-        f"trainer.epsilon={s.epsilon}",
-        f"trainer.epsilon_high={s.epsilon_high}",
-        f"trainer.loss_type={s.loss_agg}",
+        f"objective.epsilon={s.epsilon}",
+        f"objective.epsilon_high={s.epsilon_high}",
+        f"objective.loss_type={s.loss_agg}",
     ]
 
 
@@ -587,7 +587,7 @@ def checked_loss_parity(
             for p in ref.parameters():
                 p.add_(0.01 * torch.randn_like(p))
 
-    C = core_functions(cfg.trainer.logprobs)
+    C = core_functions(cfg.runtime.logprobs)
     model.train()
     ids, attn, cmask = rollout.input_ids, rollout.attention_mask, rollout.completion_mask
     logp, mask = C.sequence_logprobs(model, ids, attn, cmask, s.temperature)
@@ -725,7 +725,7 @@ def compare_pairing(s: Settings, seeds: list[int]) -> dict[str, Any]:
         "matched": f"grpolab defaults (seed) vs TRL set to match (loss {s.loss_agg}/"
         f"{LOSS_TYPES[s.loss_agg]}, epsilon_high {s.epsilon_high}, no KL bias correction; "
         "TRL keeps its sample std, no zero-std guard)",
-        "trl_defaults": "grpolab trainer.profile=trl vs TRL's GRPOConfig defaults (dapo, "
+        "trl_defaults": "grpolab objective.profile=trl vs TRL's GRPOConfig defaults (dapo, "
         "epsilon_high = epsilon, KL bias correction)",
     }[s.pairing]
     print(f"\npairing {s.pairing}: {what}")
@@ -802,9 +802,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         base, steps=args.steps, beta=args.beta, **{k: v for k, v in flags.items() if v is not None}
     )
     if s.lora_r and not s.lora_target_modules:  # grpolab's default modules, on both sides
-        from grpolab.config import TrainerConfig
+        from grpolab.config import LoraConfig
 
-        s = replace(s, lora_target_modules=list(TrainerConfig().lora_target_modules))
+        s = replace(s, lora_target_modules=list(LoraConfig().target_modules))
     rows = s.prompts_per_step * s.num_generations
     if rows % s.gradient_accumulation_steps:
         raise SystemExit(
@@ -887,7 +887,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--precision",
         choices=("fp32", "bf16"),
-        help="on both sides (grpolab trainer.precision, TRL bf16=True); default fp32",
+        help="on both sides (grpolab runtime.precision, TRL bf16=True); default fp32",
     )
     p.add_argument(
         "--pairings", nargs="+", choices=PAIRINGS, default=list(PAIRINGS), help="see PAIRINGS"

@@ -50,7 +50,7 @@ def main() -> None:
         max_completion_length=6,
         beta=0.0,
         eval_steps=0,
-        **{"trainer.eval_examples": 200},  # any grpolab key, by its dotted name
+        **{"eval.eval_examples": 200},  # any grpolab key, by its dotted name
     )
     train_rows, eval_rows = rows(2000, 200)
     trainer = GRPOTrainer(

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from grpolab import dist as dist_module
-from grpolab.config import load_config
+from grpolab.config import load_config, replaced
 from grpolab.setup import build_run, load_start_model
 from grpolab.step import grpo_step
 from grpolab.trainer import train
@@ -26,17 +26,17 @@ def split_config(mode: str, loss_type: str, out: Path, accumulation: int):
         None,
         [
             f"output_dir={out}",
-            "trainer.prompts_per_step=4",
-            "trainer.num_generations=4",
-            "trainer.progress=false",
-            f"trainer.loss_type={loss_type}",
-            f"trainer.gradient_accumulation_steps={accumulation}",
-            f"trainer.distributed={mode}",
-            "trainer.rollout_split=replicated",
-            "trainer.beta=0.05",
-            "trainer.learning_rate=1e-3",
+            "batch.prompts_per_step=4",
+            "batch.num_generations=4",
+            "logging.progress=false",
+            f"objective.loss_type={loss_type}",
+            f"batch.gradient_accumulation_steps={accumulation}",
+            f"parallel.strategy={mode}",
+            "parallel.rollout_split=replicated",
+            "objective.beta=0.05",
+            "optim.learning_rate=1e-3",
             # ddp: ~40 buckets, their order and overlap exercised (fsdp has no buckets)
-            *(["trainer.ddp_bucket_mb=0.05"] if mode == "ddp" else []),
+            *(["parallel.ddp_bucket_mb=0.05"] if mode == "ddp" else []),
         ],
     )
 
@@ -54,14 +54,14 @@ def demo_overrides(out: Path, mode: str) -> list[str]:
     return [
         f"output_dir={out}",
         "max_steps=2",
-        "trainer.save_steps=1",
-        "trainer.save_total_limit=null",
-        "trainer.prompts_per_step=4",
-        "trainer.num_generations=4",
-        "trainer.eval_examples=0",
-        "trainer.progress=false",
-        f"trainer.distributed={mode}",
-        "trainer.rollout_split=replicated",
+        "checkpoints.save_steps=1",
+        "checkpoints.save_total_limit=null",
+        "batch.prompts_per_step=4",
+        "batch.num_generations=4",
+        "eval.eval_examples=0",
+        "logging.progress=false",
+        f"parallel.strategy={mode}",
+        "parallel.rollout_split=replicated",
     ]
 
 
@@ -69,7 +69,7 @@ def vllm_overrides(out: Path, mode: str, *extra: str) -> list[str]:
     return [
         *demo_overrides(out, mode),
         "rollout.engine=vllm",
-        "rollout.vllm_max_model_len=64",
+        "rollout.vllm.max_model_len=64",
         *extra,
     ]
 
@@ -116,7 +116,7 @@ def vllm_main(mode: str, out: Path) -> None:
         if d.main:
             torch.save(results, out / "split.pt")
     else:
-        train(load_config(None, vllm_overrides(out / "lora", "ddp", "trainer.lora_r=4")))
+        train(load_config(None, vllm_overrides(out / "lora", "ddp", "lora.r=4")))
 
 
 def main() -> None:
@@ -144,7 +144,7 @@ def main() -> None:
         }
     # rollout_split=local: each rank samples its own groups; the replicas stay equal.
     cfg = split_config(mode, "token", out / "unused", accumulation=1)
-    cfg.trainer.rollout_split = "local"
+    cfg = replaced(cfg, {"parallel.rollout_split": "local"})
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
     run = build_run(cfg, model, tokenizer, dist=d)
     _, batch = grpo_step(run, 1)

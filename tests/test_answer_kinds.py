@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpolab import checks
+from grpolab.checks.rewards import PROBES, check_reward_probes, check_tokenizer_coverage
 from grpolab.config import load_config
-from grpolab.coverage import check_tokenizer_coverage
 from grpolab.evaluate import accuracy_rewards, evaluate_greedy, strict_correct
 from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_policy
 from grpolab.report import write_report
@@ -91,8 +90,8 @@ def test_the_model_answers_in_many_writings_and_every_judge_agrees(learned):
 def test_the_probes_ask_the_accuracy_every_question(learned):
     _, task, _, tokenizer, _ = learned
     report = probe_task(task, load_rewards(["accuracy", "format"], task=task), tokenizer)
-    results = {r.id: r for r in checks.check_reward_probes(report)}
-    assert set(results) == set(checks.REWARD_PROBES)
+    results = {r.id: r for r in check_reward_probes(report)}
+    assert set(results) == {d.check.id for d in PROBES}
     assert all(r.passed for r in results.values()), [r.what for r in results.values()]
     # The total's scale: a boxed wrong answer earns the format reward, 1; a boxed right one, 2.
     assert report.answer_checking() == ["accuracy"] and report.reward_scale() == (1.0, 2.0)
@@ -112,10 +111,10 @@ def test_training_keeps_the_reward_strict_gap_at_zero(learned, tmp_path):
             f"task.path={cfg.path}",
             f"task.num_eval={cfg.num_eval}",
             "max_steps=2",
-            "trainer.prompts_per_step=4",
-            "trainer.num_generations=4",
-            "trainer.eval_examples=0",
-            "trainer.log_completions_steps=1",
+            "batch.prompts_per_step=4",
+            "batch.num_generations=4",
+            "eval.eval_examples=0",
+            "logging.log_completions_steps=1",
             "rollout.max_completion_length=32",
         ],
     )

@@ -39,15 +39,15 @@ def test_trl_names_land_on_grpolab_keys():
             seed=3,
             scale_rewards=False,
             output_dir="somewhere",
-            **{"trainer.kl_estimator": "k1", "task.num_eval": 20},
+            **{"objective.kl_estimator": "k1", "task.num_eval": 20},
         )
     ).config
-    t = cfg.trainer
-    assert (t.learning_rate, t.num_generations, t.epsilon, t.beta) == (1e-5, 4, 0.1, 0.04)
-    assert t.loss_type == "dapo" and t.scale_rewards == "none" and t.kl_estimator == "k1"
+    o, b = cfg.objective, cfg.batch
+    assert (cfg.optim.learning_rate, b.num_generations, o.epsilon, o.beta) == (1e-5, 4, 0.1, 0.04)
+    assert o.loss_type == "dapo" and o.scale_rewards == "none" and o.kl_estimator == "k1"
     # 8 completions per micro-batch x 2 accumulated = 16 per step = 4 prompts x G=4
-    assert (t.generation_batch_size, t.prompts_per_step) == (16, 4)
-    assert t.gradient_accumulation_steps == 2
+    assert (b.generation_batch_size, b.prompts_per_step) == (16, 4)
+    assert b.gradient_accumulation_steps == 2
     assert (cfg.rollout.max_completion_length, cfg.max_steps, cfg.seed) == (12, 7, 3)
     assert (cfg.output_dir, cfg.task.num_eval) == ("somewhere", 20)
 
@@ -76,7 +76,7 @@ def test_trl_reward_call_runs_the_real_trainer_and_records_the_function(tmp_path
         model="demo",
         reward_funcs=parity_aware,
         args={"output_dir": str(out), "max_steps": 1, "per_device_train_batch_size": 16,
-              "num_generations": 4, "eval_steps": 0, "trainer.eval_examples": 8},
+              "num_generations": 4, "eval_steps": 0, "eval.eval_examples": 8},
         train_dataset=rows(40),
         eval_dataset=rows(8, start=70),
     )  # fmt: skip
@@ -122,6 +122,6 @@ def test_a_datasets_dataset_is_read_as_its_rows():
 def test_logging_steps_is_the_console_lines_interval():
     from grpolab import GRPOConfig
 
-    assert "trainer.logging_steps=5" in GRPOConfig(logging_steps=5).overrides()
-    with pytest.raises(ConfigError, match=r"trainer\.logging_steps"):
-        load_config(None, ["trainer.logging_steps=0"])
+    assert "logging.logging_steps=5" in GRPOConfig(logging_steps=5).overrides()
+    with pytest.raises(ConfigError, match=r"logging\.logging_steps"):
+        load_config(None, ["logging.logging_steps=0"])

@@ -40,7 +40,7 @@ def fast(out: Path, **more) -> dict:
     """One step of 4 prompts x 4 samples, 8 held-out prompts, a checkpoint at the end."""
     return {"output_dir": str(out), "max_steps": 1, "per_device_train_batch_size": 16,
             "num_generations": 4, "eval_steps": 0, "save_steps": 1,
-            "trainer.eval_examples": 8, "trainer.progress": False, **more}  # fmt: skip
+            "eval.eval_examples": 8, "logging.progress": False, **more}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -174,9 +174,9 @@ def test_a_lora_config_becomes_grpolabs_lora_keys_and_trains_adapters(tmp_path, 
                       task_type="CAUSAL_LM")  # fmt: skip
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=exact,
                           args=fast(out), train_dataset=rows(40), peft_config=lora)  # fmt: skip
-    t = trainer.config.trainer
-    assert (t.lora_r, t.lora_alpha, t.lora_dropout) == (4, 8, 0.05)
-    assert t.lora_target_modules == ["q_proj", "v_proj"]
+    lora = trainer.config.lora
+    assert (lora.r, lora.alpha, lora.dropout) == (4, 8, 0.05)
+    assert lora.target_modules == ["q_proj", "v_proj"]
     # the policy grpolab builds from this config trains the adapters alone
     policy, _ = load_policy(trainer.config.model.name_or_path)
     policy, _ = prepare_model(policy, trainer.config, Dist())
@@ -206,7 +206,7 @@ def test_a_lora_config_becomes_grpolabs_lora_keys_and_trains_adapters(tmp_path, 
 )  # fmt: skip
 def test_target_modules_become_the_module_names_peft_would_adapt(target_modules, expected):
     trainer = GRPOTrainer(model="demo", peft_config=LoraConfig(r=2, target_modules=target_modules))
-    names = trainer.config.trainer.lora_target_modules
+    names = trainer.config.lora.target_modules
     assert names == expected
     # the same modules as peft itself picks with the LoraConfig as given
     demo, _ = load_policy(str(DEMO_MODEL_DIR))
@@ -230,8 +230,8 @@ def test_a_lora_config_grpolab_cannot_honour_is_refused_naming_the_field():
     for peft_config, words in refused:
         with pytest.raises(ConfigError, match=rf"peft_config.*{words}"):
             GRPOTrainer(peft_config=peft_config)
-    with pytest.raises(ConfigError, match=r"peft_config and GRPOConfig\(trainer\.lora_r\)"):
-        GRPOTrainer(args=GRPOConfig(**{"trainer.lora_r": 8}),
+    with pytest.raises(ConfigError, match=r"peft_config and GRPOConfig\(lora\.r\)"):
+        GRPOTrainer(args=GRPOConfig(**{"lora.r": 8}),
                     peft_config=LoraConfig(target_modules=["q_proj"]))  # fmt: skip
     with pytest.raises(ConfigError, match=r"grpolab Config as args, peft_config"):
         GRPOTrainer(args=load_config(), peft_config=LoraConfig(target_modules=["q_proj"]))

@@ -55,15 +55,15 @@ def test_lora_reaches_both_sides() -> None:
     example = load_config(vs_trl.REAL_EXAMPLE)
     args = ["--model", "smollm2-135m-instruct", "--steps", "1"]
     s = vs_trl.settings_from_args(vs_trl.build_parser().parse_args(args))
-    assert s.lora_r == example.trainer.lora_r > 0
-    ours = vs_trl.grpolab_config(s, 0, "unused").trainer
+    assert s.lora_r == example.lora.r > 0
+    ours = vs_trl.grpolab_config(s, 0, "unused").lora
     theirs = vs_trl.trl_lora(s)
-    assert (ours.lora_r, ours.lora_alpha) == (theirs.r, theirs.lora_alpha)
-    assert set(ours.lora_target_modules) == set(theirs.target_modules)
-    assert theirs.lora_dropout == ours.lora_dropout == 0.0
+    assert (ours.r, ours.alpha) == (theirs.r, theirs.lora_alpha)
+    assert set(ours.target_modules) == set(theirs.target_modules)
+    assert theirs.lora_dropout == ours.dropout == 0.0
 
     full = vs_trl.settings_from_args(vs_trl.build_parser().parse_args([*args, "--lora-r", "0"]))
-    assert vs_trl.grpolab_config(full, 0, "unused").trainer.lora_r == 0
+    assert vs_trl.grpolab_config(full, 0, "unused").lora.r == 0
     assert vs_trl.trl_lora(full) is None
 
 
@@ -80,11 +80,11 @@ def test_trl_trains_the_same_adapters() -> None:
 
 
 def test_precision_reaches_both_sides() -> None:
-    """--precision bf16 is grpolab's trainer.precision=bf16 and TRL's bf16=True; the default
+    """--precision bf16 is grpolab's runtime.precision=bf16 and TRL's bf16=True; the default
     is fp32 on both."""
     for flag, bf16 in (([], False), (["--precision", "bf16"], True)):
         s = vs_trl.settings_from_args(vs_trl.build_parser().parse_args(["--steps", "1", *flag]))
-        precision = vs_trl.grpolab_config(s, 0, "unused").trainer.precision
+        precision = vs_trl.grpolab_config(s, 0, "unused").runtime.precision
         assert precision == ("bf16" if bf16 else "fp32")
         with tempfile.TemporaryDirectory() as tmp:
             assert vs_trl.trl_args(s, 0, tmp).bf16 is bf16

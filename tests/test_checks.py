@@ -7,9 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpolab import checks, core
+from grpolab import core
+from grpolab.check import GOALS
+from grpolab.checks import registry
+from grpolab.checks.context import PreflightBatch, PreflightSettings
+from grpolab.checks.rewards import check_reward_probes
+from grpolab.checks.runner import blamed, goal_status, run_checks
 from grpolab.functions import ImplLoadError, load_impl
 from grpolab.models import build_char_tokenizer, build_tiny_model
+from grpolab.objective.profiles import profile_objective
 from grpolab.rewards import load_rewards
 from grpolab.rewards.probes import probe_rows, run_probes
 from grpolab.rollout.base import SamplingParams
@@ -18,64 +24,34 @@ from grpolab.tasks import load_task
 
 MUTANTS = Path(__file__).parent / "mutants"
 
-# mutant file -> the check that must catch it
+# Every known bug the registry declares: mutant file -> (the check that must catch it, the
+# objective that declares the option the bug is in). A check declares its mutants
+# (grpolab.check.Mutant); these tables are read from the registry, by kind.
+DECLARED_MUTANTS = {m: (c.id, o) for m, (c, o) in registry.mutants().items()}
+# the seed's functions, under the seed's objective
 CAUGHT_BY = {
-    "no_shift": "logprobs.shift",
-    "bf16_log_softmax": "logprobs.float32",
-    "no_temperature": "logprobs.temperature",
-    "unbiased_std": "advantages.population_std",
-    "no_zero_std_guard": "advantages.zero_std_groups",
-    "interleaved_groups": "advantages.contiguous",
-    "max_not_min": "clip.values",
-    "eps_swapped": "clip.asymmetric",
-    "naive_kl": "kl.nonnegative",
-    "reversed_k3": "kl.tracks_exact",
-    "token_mean_declared_sequence": "norm.aggregation",
-    "prompt_in_mask": "norm.masked_gradient",
-    "sign_flipped": "loss.sgd_direction",
-    "unmasked_ratio_mean": "loss.metrics",
-}
-# reward mutant file (its function has the file's only public name) -> the probe that catches it
-REWARD_CAUGHT_BY = {
-    "reward_accepts_echo": "rewards.echo",
-    "reward_pays_inaction": "rewards.no_answer",
-}
-
-PROFILE_TRL = {"profile": "trl", **core.PROFILES["trl"], "beta": 0.04}
-PROFILE_VERL = {"profile": "verl", **core.PROFILES["verl"], "beta": 0.04}
-# mutant of the menu's code -> (the check that must catch it, the objective that declares
-# the option the bug is in)
+    m: c for m, (c, o) in DECLARED_MUTANTS.items() if not o and registry.BY_ID[c].stage == "batch"
+    and not registry.BY_ID[c].declared_only
+}  # fmt: skip
+# reward mutants (their function has the file's only public name) -> the probe
+REWARD_CAUGHT_BY = {m: c for m, (c, _) in DECLARED_MUTANTS.items() if c.startswith("rewards.")}
+# the menu's and the conventions' mutants: (the check, the objective declaring the option)
 MENU_CAUGHT_BY = {
-    "gspo_length_weighted": ("gspo.length_weighting", {"importance_sampling_level": "sequence"}),
-    "gspo_exp_of_sum": ("gspo.ratio", {"importance_sampling_level": "sequence"}),
-    "cispo_no_detach": ("cispo.gradient", {"loss_type": "cispo", "epsilon_high": 5.0}),
-    "dual_clip_both_signs": ("clip.dual_clip", {"dual_clip": 3.0}),
-    "delta_positive_only": ("clip.delta", {"delta": 2.0}),
-    "dynamic_keeps_all": ("dynamic_sampling.normaliser", {"dynamic_sampling": True}),
-    "seq_is_wrong_sign": ("engine.is_weights", {"tis_cap": 3.0, "tis_mode": "sequence_mask"}),
-    "rloo_includes_self": ("advantages.estimator", {"advantage_estimator": "rloo"}),
-    "truncation_inverted": ("truncation.mask", {"mask_truncated_completions": True}),
-    "entropy_bonus_added": ("entropy.bonus", {"entropy_coef": 0.01}),
-    "entropy_unmasked_metric": ("loss.metrics", {}),
-    "kl_without_ratio": ("kl.convention", PROFILE_TRL),
-    "kl_unclamped": ("kl.convention", PROFILE_VERL),
-    "population_std": ("advantages.sample_std", PROFILE_TRL),
-    "excluded_rows_vote": ("advantages.excluded_rows", {}),
-    "nan_times_mask": ("loss.masked_nan", {}),
-    "kl_sequence_ratio": ("kl.bias_correction_gradient", PROFILE_TRL),
-    "micro_scale_by_rows": ("norm.minibatch_invariance", {"loss_type": "token"}),
-    "sequence_counts_masked_rows": (
-        "norm.minibatch_invariance",
-        {"loss_type": "sequence", "mask_truncated_completions": True},
-    ),
-}
+    m: (c, o) for m, (c, o) in DECLARED_MUTANTS.items()
+    if registry.BY_ID[c].stage == "batch" and (o or registry.BY_ID[c].declared_only)
+}  # fmt: skip
+
+PROFILE_TRL = profile_objective("trl", beta=0.04)
+PROFILE_VERL = profile_objective("verl", beta=0.04)
 # Every profile, every option of the menu: grpolab's own functions pass every check.
 DECLARED = {
     "trl": PROFILE_TRL,
     "verl": PROFILE_VERL,
-    "openrlhf": {"profile": "openrlhf", **core.PROFILES["openrlhf"], "beta": 0.04},
+    "openrlhf": profile_objective("openrlhf", beta=0.04),
     "gspo": {"importance_sampling_level": "sequence", "loss_type": "grpo"},
     "cispo": {"loss_type": "cispo", "epsilon_high": 5.0},
+    "sapo": {"loss_type": "sapo", "sapo_temperature_pos": 1.2, "sapo_temperature_neg": 0.8},
+    "sapo+gspo": {"loss_type": "sapo", "importance_sampling_level": "sequence"},
     "delta+dual_clip": {"delta": 2.0, "dual_clip": 3.0},
     "rloo": {"advantage_estimator": "rloo"},
     "reinforce_pp": {"advantage_estimator": "reinforce_pp", "advantage_std": "sample"},
@@ -98,7 +74,7 @@ def model_and_batch():
     prompts = ["37+48=", "5+5=", "12+30=", "99+1="]
     rollout = engine.generate(prompts, 4, SamplingParams(max_completion_length=8, seed=0))
     rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1, 0, 0.5, 0, 0, 0, 0, 0, 0])
-    batch = checks.PreflightBatch(
+    batch = PreflightBatch(
         rollout.input_ids,
         rollout.attention_mask,
         rollout.completion_mask,
@@ -116,13 +92,13 @@ def by_id(results):
 def test_the_core_passes_every_check(model_and_batch):
     model, batch = model_and_batch
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    results = checks.run_checks(model, batch)
+    results = run_checks(model, batch)
     failed = [(r.id, r.measured, r.error) for r in results if not r.passed]
     assert not failed
     ids = set(by_id(results))
     assert set(CAUGHT_BY.values()) <= ids
     assert {"engine.agreement", "rewards.variance", "ratio.initial"} <= ids
-    assert checks.goal_status(results) == dict.fromkeys(checks.GOALS, True)
+    assert goal_status(results) == dict.fromkeys(GOALS, True)
     # The checks leave the user's model as they found it.
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not model.training
@@ -133,7 +109,7 @@ def test_the_core_passes_every_check(model_and_batch):
 def test_each_mutant_fails_its_named_check(model_and_batch, mutant):
     model, batch = model_and_batch
     impl = load_impl(MUTANTS / f"{mutant}.py")
-    results = by_id(checks.run_checks(model, batch, impl=impl))
+    results = by_id(run_checks(model, batch, impl=impl))
     named = results[CAUGHT_BY[mutant]]
     assert not named.passed, named
     assert named.hint  # a failure names the likely bug
@@ -146,33 +122,33 @@ def test_each_reward_mutant_fails_its_named_probe(mutant):
     (name,) = [line[4:].split("(")[0] for line in module.splitlines() if line.startswith("def ")]
     rewards = load_rewards([f"{MUTANTS / mutant}.py:{name}"], task="arithmetic")
     report = run_probes(probe_rows(load_task()), rewards)
-    results = by_id(checks.check_reward_probes(report))
+    results = by_id(check_reward_probes(report))
     named = results[REWARD_CAUGHT_BY[mutant]]
     assert not named.passed, named
     assert named.hint and f"reward {name!r}" in named.what
 
 
-def test_every_mutant_file_is_listed():
+def test_every_mutant_file_is_declared_and_tested():
     from test_episodes import EPISODE_CAUGHT_BY  # the episode mutants, tested there
     from test_skip_zero_advantage import SKIP_CAUGHT_BY  # the skipping's, tested there
 
-    listed = set(CAUGHT_BY) | set(REWARD_CAUGHT_BY) | set(MENU_CAUGHT_BY) | set(EPISODE_CAUGHT_BY)
-    listed |= set(SKIP_CAUGHT_BY)
-    assert {p.stem for p in MUTANTS.glob("*.py")} == listed
+    tested = set(CAUGHT_BY) | set(REWARD_CAUGHT_BY) | set(MENU_CAUGHT_BY) | set(EPISODE_CAUGHT_BY)
+    tested |= set(SKIP_CAUGHT_BY)
+    assert {p.stem for p in MUTANTS.glob("*.py")} == set(registry.mutants()) == tested
 
 
-def declared(overrides: dict) -> checks.PreflightSettings:
-    return checks.PreflightSettings(objective=core.Objective(num_generations=4, **overrides))
+def declared(overrides: dict) -> PreflightSettings:
+    return PreflightSettings(objective=core.Objective(num_generations=4, **overrides))
 
 
 @pytest.mark.parametrize("name", sorted(DECLARED))
 def test_the_core_passes_every_check_of_each_declared_objective(model_and_batch, name):
     model, batch = model_and_batch
-    results = checks.run_checks(model, batch, declared(DECLARED[name]))
+    results = run_checks(model, batch, declared(DECLARED[name]))
     failed = [(r.id, r.measured, r.error) for r in results if not r.passed]
     assert not failed
     ids = set(by_id(results))
-    assert {check for check, o in MENU_CAUGHT_BY.values() if o is DECLARED[name]} <= ids
+    assert {check for check, o in MENU_CAUGHT_BY.values() if o == DECLARED[name]} <= ids
 
 
 @pytest.mark.parametrize("mutant", sorted(MENU_CAUGHT_BY))
@@ -180,13 +156,13 @@ def test_each_menu_mutant_fails_its_named_check(model_and_batch, mutant):
     model, batch = model_and_batch
     check, overrides = MENU_CAUGHT_BY[mutant]
     impl = load_impl(MUTANTS / f"{mutant}.py")
-    results = by_id(checks.run_checks(model, batch, declared(overrides), impl=impl))
+    results = by_id(run_checks(model, batch, declared(overrides), impl=impl))
     named = results[check]
     assert not named.passed, named
     assert named.hint
     # The same file passes that check where the option it gets wrong is not declared.
     if overrides and check not in {"loss.metrics"}:
-        plain = by_id(checks.run_checks(model, batch, impl=impl))
+        plain = by_id(run_checks(model, batch, impl=impl))
         assert check not in plain or plain[check].passed
 
 
@@ -195,22 +171,22 @@ def test_the_declared_std_is_checked_not_assumed(model_and_batch):
     # under the seed's declared population std; the seed's own fail under profile=trl.
     model, batch = model_and_batch
     trl = load_impl(Path(__file__).parent / "impls" / "trl_advantages.py")
-    under_trl = by_id(checks.run_checks(model, batch, declared(PROFILE_TRL), impl=trl))
-    assert all(under_trl[i].passed for i in checks.advantage_ids(declared(PROFILE_TRL).objective))
-    under_seed = by_id(checks.run_checks(model, batch, declared({}), impl=trl))
+    under_trl = by_id(run_checks(model, batch, declared(PROFILE_TRL), impl=trl))
+    assert all(r.passed for i, r in under_trl.items() if i.startswith("advantages."))
+    under_seed = by_id(run_checks(model, batch, declared({}), impl=trl))
     assert not under_seed["advantages.population_std"].passed
     seed = load_impl(MUTANTS / "population_std.py")
-    assert by_id(checks.run_checks(model, batch, declared({}), impl=seed))[
+    assert by_id(run_checks(model, batch, declared({}), impl=seed))[
         "advantages.population_std"
     ].passed
 
 
 def test_a_zero_variance_batch_is_reported(model_and_batch):
     model, batch = model_and_batch
-    flat = checks.PreflightBatch(
+    flat = PreflightBatch(
         batch.input_ids, batch.attention_mask, batch.completion_mask, torch.ones(16), 4
     )
-    results = by_id(checks.run_checks(model, flat))
+    results = by_id(run_checks(model, flat))
     assert not results["rewards.variance"].passed
     assert results["rewards.variance"].measured == 1.0
 
@@ -219,7 +195,7 @@ def test_impl_errors_point_at_the_line(tmp_path, model_and_batch):
     model, batch = model_and_batch
     bad = tmp_path / "my_grpo.py"
     bad.write_text("import torch\n\n\ndef kl_k3(logp_new, logp_ref):\n    return logp_new.foo()\n")
-    results = checks.run_checks(model, batch, impl=load_impl(bad))
+    results = run_checks(model, batch, impl=load_impl(bad))
     kl = by_id(results)["kl.nonnegative"]
     assert not kl.passed and kl.error_line == 5 and "AttributeError" in kl.error
     assert f"{bad}:5" in kl.error
@@ -261,16 +237,16 @@ def test_an_error_is_reported_under_the_check_it_interrupted(tmp_path, model_and
         "        model, ids, attention, completion, temperature\n"
         "    )\n"
     )
-    results = by_id(checks.run_checks(model, batch, impl=load_impl(impl_file)))
+    results = by_id(run_checks(model, batch, impl=load_impl(impl_file)))
     assert results["logprobs.shift"].passed  # measured before the failure: kept
     failed = results["logprobs.float32"]
     assert not failed.passed and failed.error_line == 7 and "no bf16 here" in failed.error
 
 
 def test_every_declared_only_check_has_a_hint_and_a_mutant_or_a_declared_run():
-    assert checks.DECLARED_ONLY.issubset(checks.HINTS)
+    assert all(registry.HINTS[c] for c in registry.DECLARED_ONLY)
     caught = {check for check, _ in MENU_CAUGHT_BY.values()}
-    assert checks.DECLARED_ONLY - caught <= {"entropy.values"}  # a real model's entropy
+    assert registry.DECLARED_ONLY - caught <= {"entropy.values"}  # a real model's entropy
 
 
 def blame_table(model, batch) -> list[tuple[str, str, list[str]]]:
@@ -281,8 +257,8 @@ def blame_table(model, batch) -> list[tuple[str, str, list[str]]]:
     table = []
     for mutant, check, overrides in sorted(rows):
         impl = load_impl(MUTANTS / f"{mutant}.py")
-        results = checks.run_checks(model, batch, declared(overrides), impl=impl)
-        failing = [r.id for r in checks.blamed(results) if r.id != "rewards.variance"]
+        results = run_checks(model, batch, declared(overrides), impl=impl)
+        failing = [r.id for r in blamed(results) if r.id != "rewards.variance"]
         table.append((mutant, check, failing))
     return table
 

@@ -20,7 +20,10 @@ import pytest
 import torch
 from test_checks import CAUGHT_BY
 
-from grpolab import checks, core
+from grpolab import core
+from grpolab.checks.context import Context, PreflightBatch
+from grpolab.checks.registry import BY_ID
+from grpolab.checks.runner import run_check, run_checks
 from grpolab.config import ConfigError, load_config, skips_zero_advantage
 from grpolab.functions import core_functions, load_impl
 from grpolab.models import build_char_tokenizer, build_tiny_model
@@ -56,8 +59,11 @@ def sample_overrides(rng: random.Random) -> list[str]:
         t["profile"] = profile
     t["num_generations"] = rng.choice([2, 4, 8])
     t["loss_type"] = rng.choice(
-        ["sequence", "token", "constant", "grpo", "bnpo", "dapo", "dr_grpo", "cispo"]
+        ["sequence", "token", "constant", "grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"]
     )
+    if t["loss_type"] == "sapo":
+        t["sapo_temperature_pos"] = round(rng.uniform(0.3, 3.0), 2)
+        t["sapo_temperature_neg"] = round(rng.uniform(0.3, 3.0), 2)
     t["epsilon"] = _clip(rng)
     if t["loss_type"] == "cispo":
         t["epsilon_high"] = round(rng.uniform(1.0, 8.0), 2)
@@ -117,16 +123,16 @@ class Batches:
         self.model = build_tiny_model(self.tokenizer, seed=0)
         self.engine = HFEngine(self.model, self.tokenizer)
         self.model64 = None  # the float64 copy the gradient checks compare with
-        self.cache: dict[tuple[int, float], checks.PreflightBatch] = {}
+        self.cache: dict[tuple[int, float], PreflightBatch] = {}
 
-    def get(self, G: int, temperature: float) -> checks.PreflightBatch:
+    def get(self, G: int, temperature: float) -> PreflightBatch:
         if (G, temperature) not in self.cache:
             params = SamplingParams(temperature=temperature, max_completion_length=8, seed=G)
             rollout = self.engine.generate(PROMPTS, G, params)
             g = torch.Generator().manual_seed(G)
             rewards = (torch.rand(len(PROMPTS) * G, generator=g) > 0.5).float()
             rewards.view(-1, G)[-1] = 1.0  # one flat group
-            self.cache[G, temperature] = checks.PreflightBatch(
+            self.cache[G, temperature] = PreflightBatch(
                 rollout.input_ids,
                 rollout.attention_mask,
                 rollout.completion_mask,
@@ -141,8 +147,8 @@ def false_alarms(batches: Batches, cfg) -> list[tuple[str, float, str]]:
     from grpolab.preflight import settings_from_config
 
     s = settings_from_config(cfg)
-    batch = batches.get(cfg.trainer.num_generations, cfg.rollout.temperature)
-    results = checks.run_checks(batches.model, batch, s)
+    batch = batches.get(cfg.batch.num_generations, cfg.rollout.temperature)
+    results = run_checks(batches.model, batch, s)
     results += gradient_checks(batches, cfg, batch, s)
     # rewards.variance reads the task's rewards, not the functions: not a claim about them.
     return [
@@ -155,16 +161,16 @@ def false_alarms(batches: Batches, cfg) -> list[tuple[str, float, str]]:
 def gradient_checks(batches: Batches, cfg, batch, s) -> list:
     """The preflight's float64 gradient checks on grpolab's functions as the trainer would
     run them: split.gradient_invariance, and update.skip_invariance where rows are skipped."""
-    from grpolab.preflight import check_skip_invariance, check_split_invariance, float64_copy
+    from grpolab.checks.gradients import float64_copy
 
     if batches.model64 is None:
         batches.model64 = float64_copy(batches.model)
-    functions = core_functions(cfg.trainer.logprobs, cfg.trainer.shared_prefix)
-    args = (functions, batches.model, batch, s, batches.model64)
-    results = list(check_split_invariance(*args))
-    if skips_zero_advantage(cfg):
-        results += list(check_skip_invariance(*args))
-    return results
+    functions = core_functions(cfg.runtime.logprobs, cfg.runtime.shared_prefix)
+    ctx = Context(functions, s, batches.model, batch)
+    ctx.shared["float64 copy"] = batches.model64  # made once for every config
+    ids = ["split.gradient_invariance"]
+    ids += ["update.skip_invariance"] if skips_zero_advantage(cfg) else []
+    return [run_check(BY_ID[i], ctx) for i in ids]
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +193,8 @@ def mutant_misses(batches: Batches, cfg, mutant: str) -> str | None:
     if not APPLIES.get(mutant, lambda o: True)(s.objective):
         return None
     impl = load_impl(MUTANTS / f"{mutant}.py")
-    batch = batches.get(cfg.trainer.num_generations, cfg.rollout.temperature)
-    results = {r.id: r for r in checks.run_checks(batches.model, batch, s, impl=impl)}
+    batch = batches.get(cfg.batch.num_generations, cfg.rollout.temperature)
+    results = {r.id: r for r in run_checks(batches.model, batch, s, impl=impl)}
     if check not in results or not results[check].passed:
         return None
     return f"{mutant} passes {check} ({results[check].measured})"

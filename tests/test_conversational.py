@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from grpolab.config import load_config
+from grpolab.config import load_config, replaced
 from grpolab.conversation import Conversation
 from grpolab.models import build_char_tokenizer, build_tiny_model, save_policy
 from grpolab.rewards import load_rewards, score
@@ -122,14 +122,14 @@ def test_training_on_conversations(tmp_path):
             f"task.path={path}",
             "task.num_eval=2",
             "max_steps=2",
-            "trainer.prompts_per_step=2",
-            "trainer.num_generations=4",
-            "trainer.eval_examples=0",
-            "trainer.log_completions_steps=1",
+            "batch.prompts_per_step=2",
+            "batch.num_generations=4",
+            "eval.eval_examples=0",
+            "logging.log_completions_steps=1",
             "rollout.max_completion_length=8",
         ],
     )
-    cfg.rewards.functions = ["accuracy", city_letters]
+    cfg = replaced(cfg, {"rewards.functions": ["accuracy", city_letters]})
     train(cfg, skip_preflight=True)
     assert len(calls) >= 2  # the two steps (and the probes that read the reward's scale)
     for prompts, completions, countries in calls:
@@ -160,7 +160,7 @@ def test_a_task_without_references_trains_on_its_rewards(tmp_path):
         None,
         [f"output_dir={run}", "task.name=jsonl", f"task.path={path}", "max_steps=2"],
     )
-    cfg.rewards.functions = [near_two]
+    cfg = replaced(cfg, {"rewards.functions": [near_two]})
     summary = train(cfg)  # the preflight runs and passes
     assert summary["steps"] == 2 and summary["accuracy_before"] is None
     assert json.loads((run / "preflight.json").read_text())["passed"]

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import EPS64
 
-from grpolab import core
+from grpolab import core, objective
 
 # --- group_advantages ---------------------------------------------------------------------
 
@@ -62,7 +62,7 @@ def test_group_advantages_groups_are_contiguous():
     groups=st.integers(1, 6),
     G=st.integers(2, 8),
     data=st.data(),
-    scale=st.sampled_from(core.ADVANTAGE_SCALES),
+    scale=st.sampled_from(objective.choices("scale_rewards")),
 )
 def test_group_sums_are_zero(groups, G, data, scale):
     values = data.draw(st.lists(st.floats(-10, 10), min_size=groups * G, max_size=groups * G))

@@ -208,16 +208,18 @@ def test_accepted_kwargs_drop_conventions_a_function_does_not_take():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"loss_type": "cispo"}, "must be > 1"),
-        ({"advantage_std": "biased"}, "std='biased'"),
-        ({"advantage_estimator": "gae"}, "estimator='gae'"),
-        ({"dual_clip": 0.5}, "dual_clip must be > 1"),
-        ({"delta": 1.0}, "delta must be > 1"),
+        ({"loss_type": "cispo"}, "epsilon_high=0.28: expected > 1 with loss_type=cispo"),
+        ({"advantage_std": "biased"}, "advantage_std='biased'"),
+        ({"advantage_estimator": "gae"}, "advantage_estimator='gae'"),
+        ({"dual_clip": 0.5}, "dual_clip=0.5: expected a number > 1"),
+        ({"delta": 1.0}, "delta=1.0: expected a number > 1"),
         ({"importance_sampling_level": "batch"}, "importance_sampling_level='batch'"),
         ({"kl_estimator": "k4"}, "kl_estimator='k4'"),
         ({"profile": "deepspeed"}, "profile='deepspeed'"),
         ({"tis_mode": "sequence"}, "tis_mode='sequence'"),
-        ({"loss_type": "cispo", "epsilon_high": 5.0, "dual_clip": 3.0}, "CISPO has none"),
+        ({"loss_type": "cispo", "epsilon_high": 5.0, "dual_clip": 3.0}, "dual_clip=3.0: expected"),
+        ({"loss_type": "sapo", "delta": 2.0}, "delta=2.0: expected null with loss_type=sapo"),
+        ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, "sapo_temperature_neg=0.0"),
     ],
 )
 def test_objective_errors_name_the_field(fields, message):

@@ -10,8 +10,9 @@ import pytest
 from rich.console import Console
 from tokenizers import normalizers
 
-from grpolab import checks
-from grpolab.coverage import check_tokenizer_coverage, round_trip
+from grpolab.checks.registry import HINTS
+from grpolab.checks.rewards import check_tokenizer_coverage
+from grpolab.coverage import round_trip
 from grpolab.models import build_char_tokenizer, load_policy
 from grpolab.rollout_cli import run_rollout
 from grpolab.setup import DEMO_MODEL_DIR
@@ -34,7 +35,7 @@ def test_the_demo_model_cannot_write_a_task_of_words(demo_tokenizer):
     task = load_task(CAPITALS)
     result = check_tokenizer_coverage(task, demo_tokenizer)
     assert not result.passed and result.measured == 40 and result.expected == "0 of 40"
-    assert result.hint == checks.HINTS["tokenizer.coverage"] and "<unk>" in result.hint
+    assert result.hint == HINTS["tokenizer.coverage"] and "<unk>" in result.hint
     index, first = 0, task.train[0]
     # The rows and the characters are named, with what the model reads instead.
     assert f"train row {index}'s prompt {first.prompt!r} is read as '<unk><unk>" in result.what
@@ -87,7 +88,7 @@ def test_rollout_shows_what_the_model_reads(tmp_path):
     overrides = [
         f"task.path={CAPITALS.path}",
         "task.name=jsonl",
-        "trainer.num_generations=2",
+        "batch.num_generations=2",
         "rollout.max_completion_length=2",
     ]
     console = Console(file=open(tmp_path / "log.txt", "w"))  # noqa: SIM115

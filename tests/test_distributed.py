@@ -101,7 +101,7 @@ def one_process(tmp_path_factory):
             "grad_norm": metrics["grad_norm"],
             "loss": metrics["loss"],
             "start": start,
-            "lr": cfg.trainer.learning_rate,
+            "lr": cfg.optim.learning_rate,
             "terms": reduction_terms(model, tokens=batch.attention_mask.numel()),
             "tokens": batch.attention_mask.numel(),
             "max_adv": float(batch.advantages.abs().max()),
@@ -179,7 +179,7 @@ def one_process_vllm(tmp_path_factory):
     out = tmp_path_factory.mktemp("one-vllm")
     torch.set_num_threads(1)
     steps = vllm_steps(load_config(None, vllm_overrides(out / "unused", "fsdp")))
-    train(load_config(None, vllm_overrides(out / "lora", "ddp", "trainer.lora_r=4")))
+    train(load_config(None, vllm_overrides(out / "lora", "ddp", "lora.r=4")))
     return out, steps
 
 
@@ -208,9 +208,9 @@ def test_one_vllm_engine_per_rank_synced_from_shards_and_from_lora(tmp_path, one
 
 
 def test_world_size_must_divide_the_groups():
-    cfg = load_config(None, ["trainer.prompts_per_step=3", "trainer.num_generations=4"])
-    with pytest.raises(ConfigError, match=r"trainer.prompts_per_step=3: .*world size 2"):
+    cfg = load_config(None, ["batch.prompts_per_step=3", "batch.num_generations=4"])
+    with pytest.raises(ConfigError, match=r"batch.prompts_per_step=3: .*world size 2"):
         validate_world(cfg, 2)
-    cfg = load_config(None, ["trainer.prompts_per_step=4", "trainer.mini_batch_size=2"])
-    with pytest.raises(ConfigError, match=r"trainer.mini_batch_size=2: .*world size 4"):
+    cfg = load_config(None, ["batch.prompts_per_step=4", "batch.mini_batch_size=2"])
+    with pytest.raises(ConfigError, match=r"batch.mini_batch_size=2: .*world size 4"):
         validate_world(cfg, 4)

@@ -13,11 +13,11 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from grpolab import checks, core
+from grpolab import core
+from grpolab.checks import registry
 from grpolab.cli import main
 from grpolab.core import CORE_FUNCTIONS
 from grpolab.drill import hints, texts
-from grpolab.drill.diagnose import HINT_ORDER
 from grpolab.drill.runner import FAIL, PASS, TODO, Workbench
 from grpolab.drill.template import MY_GRPO
 
@@ -93,6 +93,8 @@ OPTIONAL_EXTRAS = {
     "std",
     "zero_std_guard",
     "estimator",
+    "surrogate_options",  # policy_loss's: a registered surrogate's own (grpolab.objective)
+    "options",  # grpo_loss's: the objective's units' keywords
     *core.LOSS_OPTION_DEFAULTS,
 }
 
@@ -115,9 +117,10 @@ def test_the_template_states_the_core_contract():
 
 
 def test_every_goal_and_check_has_three_hints_in_both_languages():
-    goal_checks = {c for ids in HINT_ORDER.values() for c in ids}
+    goal_checks = {c for g in range(1, 8) for c in registry.seed_goal_ids(g)}
     prefixes = ("logprobs.", "advantages.", "ratio.", "clip.", "kl.", "norm.", "loss.")
-    seed_checks = {c for c in checks.HINTS if c.startswith(prefixes)} - checks.DECLARED_ONLY
+    seed_checks = {c.id for c in registry.ALL if c.id.startswith(prefixes) and 1 <= c.goal <= 7}
+    seed_checks -= registry.DECLARED_ONLY
     assert goal_checks == seed_checks
     for key in [*goal_checks, *(f"write.{g}" for g in range(1, 8))]:
         assert len(hints.HINTS[key]) == 3, key
@@ -330,7 +333,7 @@ def test_the_interactive_session(tmp_path):
     assert "max |ratio - 1| = 0.00e+00" in out
     assert "every goal passes" in drill.run("hint")
 
-    out = drill.run("train max_steps=2 trainer.eval_examples=20 trainer.prompts_per_step=4", 600)
+    out = drill.run("train max_steps=2 eval.eval_examples=20 batch.prompts_per_step=4", 600)
     found = re.search(
         r"held-out accuracy with your GRPO: ([\d.]+)% before -> ([\d.]+)% after 2", out
     )

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from finished_runs import assert_same_run, metric_rows
 
+from grpolab.checks.episodes import EPISODE_IDS
 from grpolab.cli import main
 from grpolab.config import load_config
-from grpolab.episode_checks import EPISODE_IDS
 from grpolab.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,11 +17,11 @@ EXAMPLE = ROOT / "examples" / "tool-calculator.yaml"
 CALCULATOR = f"rollout.tools=[{ROOT / 'examples' / 'calculator.py'}:calculator]"
 SMALL = [
     CALCULATOR,
-    "trainer.prompts_per_step=2",
-    "trainer.num_generations=8",
-    "trainer.eval_examples=0",
-    "trainer.progress=false",
-    "trainer.log_completions_steps=1",
+    "batch.prompts_per_step=2",
+    "batch.num_generations=8",
+    "eval.eval_examples=0",
+    "logging.progress=false",
+    "logging.log_completions_steps=1",
 ]
 
 

@@ -9,7 +9,9 @@ import torch
 from tolerances import logprob_tolerance
 
 from grpolab import core
-from grpolab.episode_checks import EPISODE_IDS, probe_episodes, run_episode_checks
+from grpolab.checks.episodes import EPISODE_IDS, probe_episodes
+from grpolab.checks.registry import mutants
+from grpolab.checks.runner import run_episode_checks
 from grpolab.functions import load_episode_impl
 from grpolab.models import DEFAULT_CHARS, build_char_tokenizer, build_tiny_model
 from grpolab.rollout.base import SamplingParams
@@ -24,13 +26,8 @@ from grpolab.rollout.tools import Observation, ToolEnvironment, parse_call, run_
 
 MUTANTS = Path(__file__).parent / "mutants"
 # episode mutant file -> the episode check that must catch it
-EPISODE_CAUGHT_BY = {
-    "episode_tool_tokens_in_mask": "episode.tool_gradient",
-    "episode_mask_shifted_turn": "episode.mask",
-    "episode_retokenised": "episode.token_stream",
-    "episode_reward_wrong_turn": "episode.reward_turn",
-    "episode_normaliser_counts_tools": "episode.normaliser",
-}
+# mutant file -> the check that must catch it (declared by the episode checks)
+EPISODE_CAUGHT_BY = {m: c.id for m, (c, _) in mutants().items() if c.stage == "episodes"}
 
 
 @pytest.fixture(scope="module")

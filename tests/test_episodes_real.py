@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from grpolab.episode_checks import probe_episodes, run_episode_checks
+from grpolab.checks.episodes import probe_episodes
+from grpolab.checks.runner import run_episode_checks
 from grpolab.functions import load_episode_impl
 from grpolab.models import load_policy, resolve_model_source
 from grpolab.rollout import SamplingParams

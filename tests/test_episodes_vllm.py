@@ -11,10 +11,12 @@ from need_vllm import require_vllm
 from tolerances import logprob_tolerance
 
 from grpolab import core
-from grpolab.episode_checks import probe_episodes, run_episode_checks
+from grpolab.checks.episodes import probe_episodes
+from grpolab.checks.runner import run_episode_checks
 from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
 from grpolab.rollout import RolloutConfig, SamplingParams
 from grpolab.rollout.episodes import EpisodeSetup, ProbeEnvironment
+from grpolab.rollout.vllm import VLLMEngineConfig
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def setup():
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, TinyModelSpec(), seed=0)
     episodes = EpisodeSetup(ProbeEnvironment, tokenizer, chat_template=False)
-    cfg = RolloutConfig(engine="vllm", vllm_max_model_len=128)
+    cfg = RolloutConfig(engine="vllm", vllm=VLLMEngineConfig(max_model_len=128))
     engine = VLLMEngine.from_model(model, tokenizer, cfg, episodes=episodes)
     yield model, tokenizer, engine
     engine.close()

@@ -10,10 +10,10 @@ from grpolab.cli import main
 MUTANTS = Path(__file__).parent / "mutants"
 TINY = [
     "max_steps=1",
-    "trainer.prompts_per_step=2",
-    "trainer.num_generations=4",
+    "batch.prompts_per_step=2",
+    "batch.num_generations=4",
     "rollout.max_completion_length=6",
-    "trainer.eval_examples=20",
+    "eval.eval_examples=20",
 ]
 
 

@@ -23,13 +23,13 @@ from grpolab.step import grpo_step
 from grpolab.trainer import train
 
 TINY = [
-    "trainer.prompts_per_step=4",
-    "trainer.num_generations=4",
+    "batch.prompts_per_step=4",
+    "batch.num_generations=4",
     "rollout.max_completion_length=6",
-    "trainer.eval_examples=0",
-    "trainer.progress=false",
-    "trainer.lora_r=4",
-    "trainer.beta=0.04",
+    "eval.eval_examples=0",
+    "logging.progress=false",
+    "lora.r=4",
+    "objective.beta=0.04",
 ]
 
 
@@ -86,7 +86,7 @@ def test_preflight_passes_on_a_lora_model(tmp_path):
 
 
 def test_resume_is_bit_exact_with_lora(tmp_path):
-    extra = ("trainer.num_iterations=2", "trainer.mini_batch_size=8")  # Adam state matters
+    extra = ("objective.num_iterations=2", "batch.mini_batch_size=8")  # Adam state matters
     train(lora_config(tmp_path, *extra, name="straight"), skip_preflight=True)
     train(lora_config(tmp_path, *extra, "max_steps=1", name="resumed"), skip_preflight=True)
     train(lora_config(tmp_path, *extra, name="resumed"), resume=True, skip_preflight=True)
@@ -122,9 +122,9 @@ def test_the_checkpoint_is_the_merged_policy(tmp_path):
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("trainer.lora_r=-1", "trainer.lora_r"),
-        ("trainer.lora_dropout=1.0", "trainer.lora_dropout"),
-        ("trainer.lora_dropout=-0.1", "trainer.lora_dropout"),
+        ("lora.r=-1", "lora.r"),
+        ("lora.dropout=1.0", "lora.dropout"),
+        ("lora.dropout=-0.1", "lora.dropout"),
     ],
 )
 def test_config_errors_name_the_key(tmp_path, override, key):
@@ -134,11 +134,11 @@ def test_config_errors_name_the_key(tmp_path, override, key):
 
 
 def test_lora_under_fsdp_is_refused_and_allowed_under_ddp(tmp_path):
-    cfg = lora_config(tmp_path, "trainer.distributed=fsdp")
-    with pytest.raises(ConfigError, match=r"trainer\.lora_r.*distributed=fsdp"):
+    cfg = lora_config(tmp_path, "parallel.strategy=fsdp")
+    with pytest.raises(ConfigError, match=r"lora\.r.*parallel\.strategy=fsdp"):
         validate_world(cfg, 2)
-    validate_world(lora_config(tmp_path, "trainer.distributed=ddp"), 2)
-    validate_world(lora_config(tmp_path, "trainer.lora_r=0", "trainer.distributed=fsdp"), 2)
+    validate_world(lora_config(tmp_path, "parallel.strategy=ddp"), 2)
+    validate_world(lora_config(tmp_path, "lora.r=0", "parallel.strategy=fsdp"), 2)
 
 
 def test_vllm_rollouts_sample_the_merged_policy(tmp_path):
@@ -149,7 +149,7 @@ def test_vllm_rollouts_sample_the_merged_policy(tmp_path):
     require_vllm()
     from grpolab.rollout.vllm import WeightSyncError, engine_state_dict
 
-    cfg = lora_config(tmp_path, "rollout.engine=vllm", "rollout.vllm_max_model_len=64")
+    cfg = lora_config(tmp_path, "rollout.engine=vllm", "rollout.vllm.max_model_len=64")
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
     run = build_run(cfg, model, tokenizer)
     try:
@@ -161,7 +161,7 @@ def test_vllm_rollouts_sample_the_merged_policy(tmp_path):
         merged = engine_state_dict(run.model)
         reference = copy.deepcopy(run.model).merge_and_unload().state_dict()  # peft's own merge
         assert merged.keys() == reference.keys()
-        r = cfg.trainer.lora_r  # W + s * B @ A: an r-term product added to W, in another order
+        r = cfg.lora.r  # W + s * B @ A: an r-term product added to W, in another order
         for name, tensor in reference.items():
             assert_float32_close(merged[name], tensor, terms=r, name=name)
         inner = base_weights(run.model.get_base_model())

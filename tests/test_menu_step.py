@@ -17,10 +17,10 @@ from grpolab.step import cat_rollouts, grpo_step
 
 MUTANTS = Path(__file__).parent / "mutants"
 TINY = [
-    "trainer.prompts_per_step=4",
-    "trainer.num_generations=4",
+    "batch.prompts_per_step=4",
+    "batch.num_generations=4",
     "rollout.max_completion_length=6",
-    "trainer.eval_examples=0",
+    "eval.eval_examples=0",
 ]
 
 
@@ -31,30 +31,30 @@ def _run(tmp_path, *overrides, functions=None):
 
 
 def test_a_profile_sets_its_conventions_and_explicit_keys_win():
-    trl = load_config(None, ["trainer.profile=trl"]).trainer
+    trl = load_config(None, ["objective.profile=trl"]).objective
     assert (trl.advantage_std, trl.zero_std_guard, trl.loss_type) == ("sample", False, "dapo")
     assert (trl.epsilon_high, trl.use_bias_correction_kl) == (0.2, True)
-    mine = load_config(None, ["trainer.epsilon_high=0.28", "trainer.profile=verl"]).trainer
+    mine = load_config(None, ["objective.epsilon_high=0.28", "objective.profile=verl"]).objective
     assert mine.epsilon_high == 0.28 and mine.dual_clip == 3.0 and mine.advantage_eps == 1e-6
-    seed = load_config(None, []).trainer
+    seed = load_config(None, []).objective
     assert (seed.advantage_std, seed.loss_type, seed.epsilon_high) == (
         "population",
         "sequence",
         0.28,
     )
-    card = core.objective_card(load_config(None, ["trainer.profile=openrlhf"]).objective)
+    card = core.objective_card(load_config(None, ["objective.profile=openrlhf"]).objective)
     assert "profile openrlhf" in card and "1e-09" in card
 
 
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("trainer.profile=deepseek", "trainer.profile"),
-        ("trainer.advantage_std=biased", "trainer.advantage_std"),
-        ("trainer.loss_type=cispo", "trainer.epsilon_high"),
-        ("trainer.dual_clip=1", "trainer.dual_clip"),
-        ("trainer.tis_mode=sequence_mask", "trainer.tis_mode"),
-        ("trainer.dynamic_sampling_max_rounds=-1", "trainer.dynamic_sampling_max_rounds"),
+        ("objective.profile=deepseek", "objective.profile"),
+        ("objective.advantage_std=biased", "objective.advantage_std"),
+        ("objective.loss_type=cispo", "objective.epsilon_high"),
+        ("objective.dual_clip=1", "objective.dual_clip"),
+        ("objective.tis_mode=sequence_mask", "objective.tis_mode"),
+        ("objective.dynamic_sampling_max_rounds=-1", "objective.dynamic_sampling_max_rounds"),
     ],
 )
 def test_bad_values_name_their_key(override, key):
@@ -86,7 +86,9 @@ def test_rollouts_of_different_widths_concatenate_without_moving_a_logprob():
 
 
 def test_dynamic_sampling_keeps_informative_groups_out_of_flat_ones(tmp_path):
-    run = _run(tmp_path, "trainer.dynamic_sampling=true", "trainer.dynamic_sampling_max_rounds=3")
+    run = _run(
+        tmp_path, "objective.dynamic_sampling=true", "objective.dynamic_sampling_max_rounds=3"
+    )
     metrics, batch = grpo_step(run, 1)
     kept, filled = metrics["dynamic/groups_kept"], metrics["dynamic/groups_filled"]
     assert kept + filled == 4 and metrics["dynamic/groups_generated"] >= 4
@@ -99,7 +101,7 @@ def test_dynamic_sampling_keeps_informative_groups_out_of_flat_ones(tmp_path):
 
 def test_truncated_completions_leave_the_loss(tmp_path):
     run = _run(
-        tmp_path, "trainer.mask_truncated_completions=true", "rollout.max_completion_length=3"
+        tmp_path, "objective.mask_truncated_completions=true", "rollout.max_completion_length=3"
     )
     _, batch = grpo_step(run, 1)
     assert batch.rollout.truncated.any()
@@ -116,11 +118,11 @@ def test_truncated_completions_leave_the_loss(tmp_path):
 
 def test_a_seed_signature_impl_runs_under_any_profile_but_not_a_menu_option(tmp_path):
     impl = load_impl(MUTANTS / "sign_flipped.py")  # grpo_loss with the seed's signature
-    run = _run(tmp_path / "trl", "trainer.profile=trl", functions=impl)
+    run = _run(tmp_path / "trl", "objective.profile=trl", functions=impl)
     metrics, _ = grpo_step(run, 1)  # its convention is its own: the preflight checks it
     assert "loss" in metrics
-    with pytest.raises(ValueError, match=r"trainer\.importance_sampling_level=sequence needs a "):
-        _run(tmp_path / "gspo", "trainer.importance_sampling_level=sequence", functions=impl)
+    with pytest.raises(ValueError, match=r"objective\.importance_sampling_level=sequence needs a "):
+        _run(tmp_path / "gspo", "objective.importance_sampling_level=sequence", functions=impl)
     advantages = load_impl(MUTANTS / "population_std.py")
-    with pytest.raises(ValueError, match=r"trainer\.advantage_estimator=rloo"):
-        _run(tmp_path / "rloo", "trainer.advantage_estimator=rloo", functions=advantages)
+    with pytest.raises(ValueError, match=r"objective\.advantage_estimator=rloo"):
+        _run(tmp_path / "rloo", "objective.advantage_estimator=rloo", functions=advantages)

@@ -144,10 +144,10 @@ def test_steps_without_a_strict_accuracy_are_not_watched():
 # --- In the trainer -----------------------------------------------------------------------------
 
 TINY = [
-    "trainer.prompts_per_step=4",
-    "trainer.num_generations=4",
+    "batch.prompts_per_step=4",
+    "batch.num_generations=4",
     "rollout.max_completion_length=6",
-    "trainer.eval_examples=0",
+    "eval.eval_examples=0",
 ]
 
 
@@ -162,7 +162,7 @@ def test_the_trainer_records_the_monitored_quantities(tmp_path):
     # A group's G float32 advantages of 0/1 rewards sum to 0 up to a few roundings each: the
     # mean's, eps32 * max r / std <= eps32 * G / sqrt(G - 1), and the entry's own two, eps32 *
     # |adv| <= eps32 * sqrt(G - 1) each (2.8e-6 in all at G = 4); twice that.
-    G = cfg.trainer.num_generations
+    G = cfg.batch.num_generations
     group_sum_tol = 2 * G * (G / math.sqrt(G - 1) + 2 * math.sqrt(G - 1)) * EPS32
     # The HF engine's own log-probs (its decode against the trainer's forward), under weights
     # that two steps moved by ~2 lr each: the logits' bound by well under the factor 2 to spare.
@@ -185,7 +185,7 @@ def test_warn_names_the_quantity_and_training_goes_on(tmp_path):
     # Any group without reward variance is "out of range" with this limit.
     cfg = load_config(
         None,
-        [f"output_dir={tmp_path / 'warn'}", "max_steps=2", "trainer.monitor_zero_std_max=0", *TINY],
+        [f"output_dir={tmp_path / 'warn'}", "max_steps=2", "monitors.zero_std_max=0", *TINY],
     )
     summary = train(cfg, skip_preflight=True)
     assert summary["steps"] == 2
@@ -196,8 +196,8 @@ def test_warn_names_the_quantity_and_training_goes_on(tmp_path):
 
 def test_stop_saves_a_checkpoint_and_stops(tmp_path):
     out = tmp_path / "stop"
-    overrides = [f"output_dir={out}", "max_steps=3", "trainer.monitor=stop", *TINY]
-    cfg = load_config(None, [*overrides, "trainer.monitor_zero_std_max=0"])
+    overrides = [f"output_dir={out}", "max_steps=3", "monitors.action=stop", *TINY]
+    cfg = load_config(None, [*overrides, "monitors.zero_std_max=0"])
     with pytest.raises(MonitorStop, match=r"step 1.*frac_reward_zero_std"):
         train(cfg, skip_preflight=True)
     assert latest_checkpoint(out).name == "checkpoint-1"
@@ -211,7 +211,7 @@ def test_dropout_breaks_the_first_ratio_and_both_guards_see_it(tmp_path):
     model.config.attention_dropout = 0.5
     save_policy(model, tokenizer, tmp_path / "dropout-model")
     base = [f"model.name_or_path={tmp_path / 'dropout-model'}", "max_steps=1", *TINY]
-    base.append("trainer.mini_batch_size=8")  # two optimizer steps: logp_old by a forward
+    base.append("batch.mini_batch_size=8")  # two optimizer steps: logp_old by a forward
     cfg = load_config(None, [f"output_dir={tmp_path / 'gated'}", *base])
     with pytest.raises(PreflightFailed, match=r"ratio\.initial"):
         train(cfg)
@@ -231,9 +231,7 @@ def test_under_bf16_the_mean_engine_gap_is_watched_not_its_rounding_tail():
     from grpolab.monitors import limits_for
     from grpolab.precision import FP32, Precision
 
-    trainer = SimpleNamespace(
-        monitor_clip_frac_max=0.3, monitor_zero_std_max=0.95, monitor_reward_strict_gap=0.1
-    )
+    trainer = SimpleNamespace(clip_frac_max=0.3, zero_std_max=0.95, reward_strict_gap=0.1)
     bf16 = limits_for(trainer, "float32", Precision("bf16", "test"))
     rounding = HEALTHY | {"monitor/engine_gap": 2.04, "monitor/engine_gap_mean": 0.03}
     assert check_step(6, rounding, bf16, trainer_logp_old=True) == []

@@ -66,6 +66,6 @@ def test_the_comparison_can_fail(batch):
 
 def test_verl_dual_clip_acts_on_the_batch(batch):
     # The batch's ratios reach past verl's dual-clip bound, so the verl row covers it.
-    with_dual = parity.grpolab_side(batch, ["trainer.profile=verl"])
-    without = parity.grpolab_side(batch, ["trainer.profile=verl", "trainer.dual_clip=null"])
+    with_dual = parity.grpolab_side(batch, ["objective.profile=verl"])
+    without = parity.grpolab_side(batch, ["objective.profile=verl", "objective.dual_clip=null"])
     assert abs(with_dual[1] - without[1]) > 1e-5

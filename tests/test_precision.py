@@ -121,8 +121,8 @@ def test_the_hf_engine_samples_in_bf16_and_its_canary_catches_a_stale_copy():
 
 def test_preflight_passes_in_bf16_and_holds_the_engine_to_plain_bf16(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "grpolab", "preflight", "--json", "trainer.precision=bf16",
-         "rollout.max_completion_length=6", "trainer.num_generations=4"],
+        [sys.executable, "-m", "grpolab", "preflight", "--json", "runtime.precision=bf16",
+         "rollout.max_completion_length=6", "batch.num_generations=4"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
@@ -139,7 +139,7 @@ def lora_engine():
     from grpolab.lora import wrap_lora
 
     model, tokenizer, _ = tiny_engine()
-    model = wrap_lora(model, load_config(None, ["trainer.lora_r=4"]))
+    model = wrap_lora(model, load_config(None, ["lora.r=4"]))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -161,7 +161,7 @@ def test_a_lora_engine_samples_from_merged_bf16_copies_as_close_to_float64_as_pl
     back on afterwards, and fp32 merges nothing."""
     import copy
 
-    from grpolab.checks import precision_tolerance
+    from grpolab.checks.tolerance import precision_tolerance
     from grpolab.lora import lora_layers
 
     model, tokenizer, engine = lora_engine()

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 MUTANTS = Path(__file__).parent / "mutants"
-SMALL = ["rollout.max_completion_length=6", "trainer.num_generations=4"]
+SMALL = ["rollout.max_completion_length=6", "batch.num_generations=4"]
 
 
 def preflight(*args: str) -> subprocess.CompletedProcess:
@@ -94,7 +94,7 @@ def test_preflight_usage_errors_exit_2(tmp_path):
 
 def test_a_trl_users_advantages_pass_under_the_trl_profile_and_fail_under_the_seed():
     trl = str(Path(__file__).parent / "impls" / "trl_advantages.py")
-    out = preflight("--json", "--impl", trl, "trainer.profile=trl", *SMALL)
+    out = preflight("--json", "--impl", trl, "objective.profile=trl", *SMALL)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     ids = {c["id"] for c in json.loads(out.stdout)["checks"]}
     assert "advantages.sample_std" in ids and "advantages.population_std" not in ids
@@ -112,15 +112,23 @@ def test_reward_variance_is_judged_on_a_training_steps_worth_of_groups():
 
     import torch
 
+    from grpolab.checks.context import Context
+    from grpolab.checks.registry import BY_ID
+    from grpolab.checks.runner import run_check
     from grpolab.config import load_config
-    from grpolab.preflight import reward_variance_over_a_step, sample_batch
+    from grpolab.preflight import sample_batch, settings_from_config
     from grpolab.setup import build_run, load_start_model
 
-    cfg = load_config(None, ["trainer.prompts_per_step=8", "trainer.num_generations=8"])
+    cfg = load_config(None, ["batch.prompts_per_step=8", "batch.num_generations=8"])
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
     run = build_run(cfg, model, tokenizer)
     batch, _ = sample_batch(run)  # 4 groups of 8
     flat = dataclasses.replace(batch, rewards=torch.zeros_like(batch.rewards))
+
+    def reward_variance_over_a_step(run, batch):  # as the preflight runs it, with the run
+        ctx = Context(run.functions, settings_from_config(run.cfg), run.model, batch, run)
+        return run_check(BY_ID["rewards.variance"], ctx)
+
     over_a_step = reward_variance_over_a_step(run, flat)
     # 8 groups judged: the preflight's 4 (made flat here) and 4 new ones of the demo model,
     # which answers about a third right, so some of those vary.
@@ -129,5 +137,7 @@ def test_reward_variance_is_judged_on_a_training_steps_worth_of_groups():
     never = dataclasses.replace(run, rewards=[lambda completions, **_: [0.0] * len(completions)])
     assert not reward_variance_over_a_step(never, flat).passed
     # A preflight batch that already holds a step's groups is judged as it is.
-    one_step = load_config(None, ["trainer.prompts_per_step=4", "trainer.num_generations=8"])
-    assert reward_variance_over_a_step(dataclasses.replace(run, cfg=one_step), flat) is None
+    # The preflight's groups already are a step's worth: judged on them alone.
+    one_step = load_config(None, ["batch.prompts_per_step=4", "batch.num_generations=8"])
+    alone = reward_variance_over_a_step(dataclasses.replace(run, cfg=one_step), flat)
+    assert not alone.passed and alone.measured == 1.0

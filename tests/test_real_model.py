@@ -42,10 +42,10 @@ SMALL = [
     "task.prompt_template=What is {a} {op} {b}?",
     "task.chat_template=true",
     "rewards.accuracy_mode=math",
-    "trainer.prompts_per_step=2",
-    "trainer.num_generations=4",
+    "batch.prompts_per_step=2",
+    "batch.num_generations=4",
     "rollout.max_completion_length=8",
-    "trainer.learning_rate=1e-5",
+    "optim.learning_rate=1e-5",
 ]
 
 
@@ -152,7 +152,7 @@ def test_chat_template_rollout_with_a_real_bpe_tokenizer(real):
 
 def test_a_real_bpe_tokenizer_writes_words_and_letters(real):
     # The task the demo's 18-symbol tokenizer fails (tests/test_coverage.py) passes here.
-    from grpolab.coverage import check_tokenizer_coverage
+    from grpolab.checks.rewards import check_tokenizer_coverage
     from grpolab.tasks import TaskConfig, load_task
 
     _, tokenizer, _ = real
@@ -168,7 +168,7 @@ def test_vllm_on_the_real_model(real):
     <|im_end|>, decoded text = trained tokens, and its log-probs against the trainer's."""
     require_vllm()
     model, tokenizer, directory = real
-    cfg = load_config(None, [*SMALL, "rollout.engine=vllm", "rollout.vllm_max_model_len=256"])
+    cfg = load_config(None, [*SMALL, "rollout.engine=vllm", "rollout.vllm.max_model_len=256"])
     engine = build_engine(cfg.rollout, model, tokenizer, chat_template=True, model_path=directory)
     try:
         assert engine.last_sync_gap is not None and engine.last_sync_gap <= 1e-3  # synced

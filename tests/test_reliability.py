@@ -21,18 +21,18 @@ from finished_runs import assert_same_run, metric_rows
 from grpolab.checkpoint import latest_checkpoint, list_checkpoints
 
 RUN = [
-    "trainer.prompts_per_step=4",
-    "trainer.num_generations=4",
-    "trainer.eval_examples=0",
-    "trainer.progress=false",
-    "trainer.save_steps=1",
-    "trainer.save_total_limit=null",
+    "batch.prompts_per_step=4",
+    "batch.num_generations=4",
+    "eval.eval_examples=0",
+    "logging.progress=false",
+    "checkpoints.save_steps=1",
+    "checkpoints.save_total_limit=null",
     "seed=7",
 ]
 
 
 def grpolab(*args: str, threads: int = 1) -> subprocess.Popen:
-    """A `grpolab` process; `threads` torch threads (trainer.num_threads for train)."""
+    """A `grpolab` process; `threads` torch threads (runtime.num_threads for train)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "grpolab", *args],
@@ -53,7 +53,7 @@ def train_args(out: Path, steps: int, threads: int, *extra: str) -> list[str]:
         "train",
         f"output_dir={out}",
         f"max_steps={steps}",
-        f"trainer.num_threads={threads}",
+        f"runtime.num_threads={threads}",
         *RUN,
         "--skip-preflight",  # checked elsewhere; here only the numbers matter
         *extra,
@@ -116,7 +116,7 @@ def test_sigkill_then_resume_ends_where_a_straight_run_ends(tmp_path, threads):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupt_stops_after_the_step_with_a_checkpoint_and_resumes(tmp_path, sig):
     out = tmp_path / "run"
-    args = train_args(out, 40, 1, "trainer.save_steps=0")
+    args = train_args(out, 40, 1, "checkpoints.save_steps=0")
     proc = grpolab(*args)
     deadline = time.time() + 300
     while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():
@@ -132,7 +132,8 @@ def test_an_interrupt_stops_after_the_step_with_a_checkpoint_and_resumes(tmp_pat
     step = int(saved.name.split("-")[1])
     assert [r["step"] for r in metric_rows(out)] == list(range(1, step + 1))
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
-    rc, _, err = finish(grpolab(*train_args(out, step + 1, 1, "trainer.save_steps=0"), "--resume"))
+    args = train_args(out, step + 1, 1, "checkpoints.save_steps=0")
+    rc, _, err = finish(grpolab(*args, "--resume"))
     assert rc == 0, err
     assert [r["step"] for r in metric_rows(out)] == list(range(1, step + 2))
 
@@ -238,29 +239,29 @@ def test_a_torn_metrics_line_is_dropped_and_reported_on_resume(finished_run, tmp
 def test_resume_with_another_learning_rate_is_refused_then_applied_for_real(finished_run, tmp_path):
     out = copy_run(finished_run, tmp_path / "run")
     config_before = (out / "config.yaml").read_text()
-    args = train_args(out, 4, 1, "--resume", "trainer.learning_rate=1e-3")
+    args = train_args(out, 4, 1, "--resume", "optim.learning_rate=1e-3")
     rc, _, err = finish(grpolab(*args))
     assert rc == 2
     line = one_line_error(err)
-    assert "trainer.learning_rate (was 0.0003, now 0.001)" in line
+    assert "optim.learning_rate (was 0.0003, now 0.001)" in line
     assert "--allow-config-change" in line
     assert (out / "config.yaml").read_text() == config_before
 
     rc, _, err = finish(grpolab(*args, "--allow-config-change"))
     assert rc == 0, err
     assert metric_rows(out)[-1]["lr"] == pytest.approx(1e-3, rel=1e-12)  # reached AdamW
-    assert yaml.safe_load((out / "config.yaml").read_text())["trainer"]["learning_rate"] == 1e-3
+    assert yaml.safe_load((out / "config.yaml").read_text())["optim"]["learning_rate"] == 1e-3
     saved = yaml.safe_load((latest_checkpoint(out) / "config.yaml").read_text())
-    assert saved["trainer"]["learning_rate"] == 1e-3
+    assert saved["optim"]["learning_rate"] == 1e-3
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config_changes"] == [
-        {"step": 3, "changes": {"trainer.learning_rate": [0.0003, 0.001]}}
+        {"step": 3, "changes": {"optim.learning_rate": [0.0003, 0.001]}}
     ]
 
 
 def test_resume_may_change_bookkeeping_keys_without_asking(finished_run, tmp_path):
     out = copy_run(finished_run, tmp_path / "run")
-    args = train_args(out, 4, 1, "--resume", "trainer.log_completions_steps=2")
+    args = train_args(out, 4, 1, "--resume", "logging.log_completions_steps=2")
     rc, _, err = finish(grpolab(*args))
     assert rc == 0, err
 
@@ -272,7 +273,7 @@ def test_flags_and_overrides_in_any_order(finished_run, tmp_path):
     out = copy_run(finished_run, tmp_path / "run")
     # --resume before an override: the override is not taken for a checkpoint path.
     args = ["train", "--resume", f"output_dir={out}", "max_steps=4", *RUN]
-    rc, stdout, err = finish(grpolab(*args, "--skip-preflight", "trainer.num_threads=1"))
+    rc, stdout, err = finish(grpolab(*args, "--skip-preflight", "runtime.num_threads=1"))
     assert rc == 0, err
     assert f"resuming from {out / 'checkpoint-3'}" in " ".join(stdout.split())
 
@@ -281,12 +282,12 @@ def test_flags_and_overrides_in_any_order(finished_run, tmp_path):
     ("args", "expected"),
     [
         (["train", "--config", "no/such.yaml"], "no/such.yaml"),
-        (["train", "trainer.num_generations=abc"], "trainer.num_generations"),
+        (["train", "batch.num_generations=abc"], "batch.num_generations"),
         (["train", "output_dir=/dev/null/run", "max_steps=1"], "output_dir='/dev/null/run'"),
         (["train", "--resume", "output_dir=/nonexistent/run"], "/nonexistent/run"),
         (["eval", "--model", "/nonexistent/model"], "/nonexistent/model"),
         (["rollout", "task.name=nosuchtask"], "task.name"),
-        (["preflight", "trainer.epsilon=2"], "trainer.epsilon"),
+        (["preflight", "objective.epsilon=2"], "objective.epsilon"),
         (["report", "/nonexistent/run"], "/nonexistent/run"),
     ],
 )

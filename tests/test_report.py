@@ -79,10 +79,10 @@ def test_cells_stay_on_one_line_and_a_run_without_completions_says_so():
 
 DEMO = [  # the CPU demo, short: evaluations, logged completions and the preflight included
     "max_steps=12",
-    "trainer.eval_steps=5",
-    "trainer.eval_examples=100",
-    "trainer.log_completions_steps=4",
-    "trainer.progress=false",
+    "eval.eval_steps=5",
+    "eval.eval_examples=100",
+    "logging.log_completions_steps=4",
+    "logging.progress=false",
 ]
 CHROMIUM_FLAGS = (  # headless, offline: nothing may be fetched, so nothing is
     "--headless",

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from grpolab.checks import check_reward_probes
+from grpolab.checks.rewards import check_reward_probes
 from grpolab.models import build_char_tokenizer, build_tiny_model, save_policy
 from grpolab.rewards import RewardModel, RewardsConfig, load_rewards, score
 from grpolab.rewards.probes import run_probes
@@ -157,7 +157,7 @@ def test_the_cli_trains_on_a_reward_model(rm_dir, tmp_path):
     out = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "grpolab", "train", f"rewards.functions=[accuracy,{rm_dir}]",
-         "max_steps=2", f"output_dir={out}", "trainer.eval_steps=0"],
+         "max_steps=2", f"output_dir={out}", "eval.eval_steps=0"],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -174,7 +174,7 @@ def test_the_api_takes_a_reward_model(rm_dir, tmp_path):
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 30) for b in (1, 2)]
     args = GRPOConfig(output_dir=str(tmp_path / "api"), max_steps=1, num_generations=4,
                       per_device_train_batch_size=16, max_completion_length=4,
-                      **{"task.eval_fraction": 0.1, "trainer.eval_steps": 0})  # fmt: skip
+                      **{"task.eval_fraction": 0.1, "eval.eval_steps": 0})  # fmt: skip
     trainer = GRPOTrainer(model="demo", reward_funcs=["accuracy", str(rm_dir)], args=args,
                           train_dataset=rows)  # fmt: skip
     summary = trainer.train(overwrite=True)
@@ -192,7 +192,7 @@ def test_the_api_takes_a_loaded_reward_model(rm_dir, tmp_path):
     model.name_or_path = str(rm_dir)
     args = GRPOConfig(output_dir=str(tmp_path / "api"), max_steps=1, num_generations=4,
                       per_device_train_batch_size=16, max_completion_length=4,
-                      **{"trainer.eval_steps": 0})  # fmt: skip
+                      **{"eval.eval_steps": 0})  # fmt: skip
     trainer = GRPOTrainer(model="demo", reward_funcs=["accuracy", model], args=args)
     assert isinstance(trainer.config.rewards.functions[1], RewardModel)
     trainer.train(overwrite=True)

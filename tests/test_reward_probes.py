@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpolab import checks
+from grpolab.checks.rewards import PROBES, check_reward_probes
 from grpolab.models import build_char_tokenizer
 from grpolab.rewards import RewardsConfig, load_rewards
 from grpolab.rewards.probes import (
@@ -57,14 +57,14 @@ def probe(task_cfg, functions, tokenizer=None, **rewards_cfg):
         RewardsConfig(functions=functions, **rewards_cfg), task=task, max_completion_length=8
     )
     report = probe_task(task, rewards, tokenizer)
-    return report, {r.id: r for r in checks.check_reward_probes(report)}
+    return report, {r.id: r for r in check_reward_probes(report)}
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 @pytest.mark.parametrize("functions", [["accuracy"], ["accuracy", "format"], ["format"]])
 def test_the_builtin_rewards_pass_on_every_task(task, functions, what_is_task):
     report, results = probe(TASKS[task](what_is_task), functions)
-    assert set(results) == set(checks.REWARD_PROBES)
+    assert set(results) == {d.check.id for d in PROBES}
     assert all(r.passed for r in results.values()), [r.what for r in results.values()]
     assert len(report.rows) == 8 and all(e.prompt for _, e in report.rows)
     # accuracy checks answers; a format reward pays right and wrong answers alike and is

@@ -222,7 +222,7 @@ def test_rollout_command_json(model_dir, capsys):
         "--n-prompts", "2", "--json",
         f"model.name_or_path={model_dir}",
         "task.name=gsm8k", f"task.path={SAMPLE_GSM8K}", "task.prompt_template={prompt}",
-        "trainer.num_generations=3", "rollout.max_completion_length=6",
+        "batch.num_generations=3", "rollout.max_completion_length=6",
         "rewards.functions=accuracy,format", "rewards.weights=1,0.5",
     ]  # fmt: skip
     assert main(args) == 0
@@ -245,11 +245,11 @@ def test_rollout_command_table_and_errors(model_dir, capsys):
     from grpolab.rollout_cli import main
 
     assert main(["--n-prompts", "1", f"model.name_or_path={model_dir}",
-                 "trainer.num_generations=2", "rollout.max_completion_length=4"]) == 0  # fmt: skip
+                 "batch.num_generations=2", "rollout.max_completion_length=4"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "rollout: arithmetic, G=2" in out and "accuracy" in out
-    assert main(["trainer.num_generations=1"]) == 2
-    assert "trainer.num_generations=1" in capsys.readouterr().err
+    assert main(["batch.num_generations=1"]) == 2
+    assert "batch.num_generations=1" in capsys.readouterr().err
     assert main(["task.name=jsonl", "task.path=/nonexistent/x.jsonl"]) == 2
     assert "/nonexistent/x.jsonl" in capsys.readouterr().err
     assert main(["rewards.functions=nope.py:f"]) == 2

@@ -16,6 +16,7 @@ from tolerances import logprob_tolerance
 from grpolab import core
 from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
 from grpolab.rollout import RolloutConfig, SamplingParams
+from grpolab.rollout.vllm import VLLMEngineConfig
 
 PROMPTS = ["37+48=", "5+6=", "a longer prompt here:"]
 
@@ -32,7 +33,8 @@ def trained(tokenizer):
     from grpolab.rollout.vllm import VLLMEngine
 
     model = build_tiny_model(tokenizer, TinyModelSpec(), seed=0)
-    cfg = RolloutConfig(engine="vllm", vllm_max_model_len=256)  # a whole KV block + decode
+    # a whole KV block + decode
+    cfg = RolloutConfig(engine="vllm", vllm=VLLMEngineConfig(max_model_len=256))
     torch.manual_seed(0)
     before = torch.get_rng_state(), random.getstate(), torch.get_num_threads()
     engine = VLLMEngine.from_model(model, tokenizer, cfg)
@@ -144,7 +146,7 @@ def test_rollout_json_with_vllm_keeps_stdout_for_the_json():
 
     require_vllm()
     cmd = [sys.executable, "-m", "grpolab", "rollout", "--json", "--n-prompts", "2"]
-    args = ["rollout.engine=vllm", "rollout.vllm_max_model_len=64", "trainer.num_generations=2"]
+    args = ["rollout.engine=vllm", "rollout.vllm.max_model_len=64", "batch.num_generations=2"]
     out = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(out.stdout.splitlines()) == 1, out.stdout[:2000]

@@ -15,12 +15,12 @@ from grpolab.setup import build_run, load_start_model
 from grpolab.step import grpo_step
 
 TINY = [
-    "trainer.prompts_per_step=4",
-    "trainer.num_generations=4",
+    "batch.prompts_per_step=4",
+    "batch.num_generations=4",
     "rollout.max_completion_length=6",
-    "trainer.eval_examples=0",
+    "eval.eval_examples=0",
     # The importance weights' statistics over every token: no row skipped for a 0 advantage.
-    "trainer.skip_zero_advantage=false",
+    "runtime.skip_zero_advantage=false",
 ]
 
 
@@ -31,7 +31,7 @@ def _run(tmp_path, *overrides):
 
 
 def test_an_engine_on_the_same_weights_gets_weights_of_one(tmp_path):
-    run, _ = _run(tmp_path, "trainer.tis_cap=2.0")
+    run, _ = _run(tmp_path, "objective.tis_cap=2.0")
     tol = logprob_tolerance(run.model)  # the engine's decode against the trainer's forward
     metrics, _ = grpo_step(run, 1)
     # Weights exp(d) for log-prob gaps |d| <= tol: within ~tol of 1.
@@ -40,7 +40,7 @@ def test_an_engine_on_the_same_weights_gets_weights_of_one(tmp_path):
 
 
 def test_a_stale_engine_is_reweighted_and_reported(tmp_path):
-    run, tokenizer = _run(tmp_path, "trainer.tis_cap=1.0")
+    run, tokenizer = _run(tmp_path, "objective.tis_cap=1.0")
     stale = copy.deepcopy(run.model)
     with torch.no_grad():
         for p in stale.parameters():
@@ -55,16 +55,16 @@ def test_a_stale_engine_is_reweighted_and_reported(tmp_path):
 
 
 def test_tis_needs_the_trainers_old_logprobs():
-    with pytest.raises(ConfigError, match=r"trainer\.tis_cap"):
-        load_config(None, ["trainer.tis_cap=2", "trainer.logprob_source=engine"])
-    with pytest.raises(ConfigError, match=r"trainer\.tis_cap"):
-        load_config(None, ["trainer.tis_cap=0"])
+    with pytest.raises(ConfigError, match=r"objective\.tis_cap"):
+        load_config(None, ["objective.tis_cap=2", "objective.logprob_source=engine"])
+    with pytest.raises(ConfigError, match=r"objective\.tis_cap"):
+        load_config(None, ["objective.tis_cap=0"])
 
 
 def test_a_learners_seed_signature_loss_is_refused_with_tis(tmp_path):
     # A grpo_loss with the seed's signature (no token_weights), as a learner writes it.
     impl = load_impl(Path(__file__).parent / "mutants" / "sign_flipped.py")
-    cfg = load_config(None, [f"output_dir={tmp_path}", *TINY, "trainer.tis_cap=2"])
+    cfg = load_config(None, [f"output_dir={tmp_path}", *TINY, "objective.tis_cap=2"])
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"token_weights; the one from .*sign_flipped\.py"):
         build_run(cfg, model, tokenizer, functions=impl)

@@ -22,11 +22,11 @@ from grpolab.step import grpo_step
 from grpolab.trainer import train
 
 SMALL = [
-    "trainer.prompts_per_step=4",
-    "trainer.num_generations=4",
-    "trainer.eval_examples=16",
-    "trainer.progress=false",
-    "trainer.log_completions_steps=1",
+    "batch.prompts_per_step=4",
+    "batch.num_generations=4",
+    "eval.eval_examples=16",
+    "logging.progress=false",
+    "logging.log_completions_steps=1",
 ]
 
 
@@ -44,7 +44,7 @@ def seq_logp(run, batch) -> torch.Tensor:
 
 
 def test_one_step_moves_logprobs_toward_positive_advantages(tmp_path):
-    cfg = small_config(tmp_path, "trainer.prompts_per_step=8", "trainer.learning_rate=1e-3")
+    cfg = small_config(tmp_path, "batch.prompts_per_step=8", "optim.learning_rate=1e-3")
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     run = build_run(cfg, model, tokenizer)
@@ -70,11 +70,11 @@ def test_gradient_accumulation_equals_one_pass(tmp_path, loss_type):
     for accumulation in (1, 4):
         cfg = small_config(
             tmp_path,
-            f"trainer.loss_type={loss_type}",
-            f"trainer.gradient_accumulation_steps={accumulation}",
-            "trainer.max_grad_norm=0",  # compare raw gradients
-            "trainer.beta=0.1",  # the reference path too
-            "trainer.logprobs=core",
+            f"objective.loss_type={loss_type}",
+            f"batch.gradient_accumulation_steps={accumulation}",
+            "optim.max_grad_norm=0",  # compare raw gradients
+            "objective.beta=0.1",  # the reference path too
+            "runtime.logprobs=core",
         )
         model, tokenizer = load_start_model(cfg, torch.device("cpu"))
         run = build_run(cfg, model, tokenizer)
@@ -89,7 +89,7 @@ def test_gradient_accumulation_equals_one_pass(tmp_path, loss_type):
 
 def test_demo_end_to_end_through_the_cli(tmp_path, capsys):
     out = tmp_path / "demo"
-    rc = main(["train", f"output_dir={out}", "max_steps=2", "trainer.save_steps=1", *SMALL])
+    rc = main(["train", f"output_dir={out}", "max_steps=2", "checkpoints.save_steps=1", *SMALL])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "held-out accuracy before GRPO" in printed and "GRPO objective" in printed
@@ -148,7 +148,7 @@ def test_demo_end_to_end_through_the_cli(tmp_path, capsys):
 
 
 def test_refuses_an_output_dir_holding_another_run(tmp_path):
-    cfg = small_config(tmp_path, "max_steps=1", "trainer.eval_examples=0")
+    cfg = small_config(tmp_path, "max_steps=1", "eval.eval_examples=0")
     train(cfg)
     with pytest.raises(FileExistsError, match="holds another run"):
         train(cfg)
@@ -158,10 +158,10 @@ def test_refuses_an_output_dir_holding_another_run(tmp_path):
 
 def test_resume_is_bit_exact(tmp_path):
     extra = (
-        "trainer.eval_examples=0",
-        "trainer.num_iterations=2",  # several optimizer steps per batch: Adam state matters
-        "trainer.mini_batch_size=8",
-        "trainer.beta=0.05",
+        "eval.eval_examples=0",
+        "objective.num_iterations=2",  # several optimizer steps per batch: Adam state matters
+        "batch.mini_batch_size=8",
+        "objective.beta=0.05",
     )
     straight = small_config(tmp_path, *extra, name="straight")
     train(straight)
@@ -178,7 +178,7 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
     other = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=64, num_heads=2))
     out = tmp_path / "run"
     save_checkpoint(out, 1, other, tokenizer, {}, {})
-    cfg = small_config(tmp_path, "trainer.eval_examples=0")
+    cfg = small_config(tmp_path, "eval.eval_examples=0")
     with pytest.raises(ValueError, match="different model"):
         train(cfg, resume=True)
 
@@ -215,7 +215,7 @@ def nan_after(step_from: int):
 
 def test_nonfinite_guard_stops_with_checkpoint_and_capsule(tmp_path):
     cfg = small_config(
-        tmp_path, "max_steps=5", "trainer.max_consecutive_nonfinite=2", "trainer.eval_examples=0"
+        tmp_path, "max_steps=5", "monitors.max_consecutive_nonfinite=2", "eval.eval_examples=0"
     )
     start, _ = load_start_model(cfg, torch.device("cpu"))
     bad_core = dataclasses.replace(core_functions("naive"), grpo_loss=nan_after(1))
@@ -232,7 +232,7 @@ def test_nonfinite_guard_stops_with_checkpoint_and_capsule(tmp_path):
 
 
 def test_nonfinite_step_is_skipped_and_training_goes_on(tmp_path):
-    cfg = small_config(tmp_path, "max_steps=3", "trainer.eval_examples=0")
+    cfg = small_config(tmp_path, "max_steps=3", "eval.eval_examples=0")
     calls = {"n": 0}
 
     def grpo_loss(*args, **kwargs):  # non-finite on the first step only
@@ -288,13 +288,13 @@ def test_missing_tracker_package_is_a_clear_error(tmp_path, capsys):
         pytest.skip("wandb is installed")
     except ImportError:
         pass
-    rc = main(["train", f"output_dir={tmp_path / 'x'}", "trainer.report_to=wandb", *SMALL])
+    rc = main(["train", f"output_dir={tmp_path / 'x'}", "logging.report_to=wandb", *SMALL])
     assert rc == 2
     assert "pip install wandb" in capsys.readouterr().err
 
 
 def test_scheme_b_takes_logp_old_from_the_engine(tmp_path):
-    cfg = small_config(tmp_path, "trainer.logprob_source=engine")
+    cfg = small_config(tmp_path, "objective.logprob_source=engine")
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
     run = build_run(cfg, model, tokenizer)
     tol = logprob_tolerance(model)  # the engine's decode and the trainer's forward

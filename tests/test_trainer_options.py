@@ -18,8 +18,8 @@ def small_run_config(output_dir, *overrides: str):
         None,
         [
             f"output_dir={output_dir}",
-            "trainer.prompts_per_step=4",
-            "trainer.num_generations=4",
+            "batch.prompts_per_step=4",
+            "batch.num_generations=4",
             *overrides,
         ],
     )
@@ -34,15 +34,15 @@ def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
     for on in (False, True):
         cfg = small_run_config(
             tmp_path / str(on),
-            "trainer.max_grad_norm=0",
-            "trainer.logprob_source=trainer",
-            "trainer.num_iterations=2",  # logp_old from a separate no-grad pass too
+            "optim.max_grad_norm=0",
+            "objective.logprob_source=trainer",
+            "objective.num_iterations=2",  # logp_old from a separate no-grad pass too
             # The gradient left is the second epoch's. A real first update (Adam: ~lr * sign(g))
             # would turn the two paths' rounding in near-zero gradients into different weights
             # for it; an update of at most 1e-12 per weight leaves the weights the same, so the
             # two gradients differ by rounding alone.
-            "trainer.learning_rate=1e-12",
-            f"trainer.gradient_checkpointing={str(on).lower()}",
+            "optim.learning_rate=1e-12",
+            f"runtime.gradient_checkpointing={str(on).lower()}",
         )
         model, tokenizer = load_start_model(cfg, torch.device("cpu"))
         run = build_run(cfg, model, tokenizer)
@@ -67,9 +67,9 @@ def test_bf16_precision_keeps_fp32_master_weights_and_an_exact_first_ratio(tmp_p
             # same inputs, so the first ratio is exactly 1. (Other rows in one forward would
             # round differently, by ~1e-7 in float32 with 2 threads.)
             # Every row in that forward: skipping the rows without gradient would change them.
-            "trainer.num_iterations=2",
-            "trainer.skip_zero_advantage=false",
-            f"trainer.precision={mode}",
+            "objective.num_iterations=2",
+            "runtime.skip_zero_advantage=false",
+            f"runtime.precision={mode}",
         )
         model, tokenizer = load_start_model(cfg, torch.device("cpu"))
         start = [p.detach().clone() for p in model.parameters()]
@@ -95,22 +95,24 @@ def test_bf16_precision_keeps_fp32_master_weights_and_an_exact_first_ratio(tmp_p
 
 
 def test_precision_takes_auto_fp32_or_bf16_and_autocast_is_its_older_name():
-    with pytest.raises(ConfigError, match=r"trainer\.precision.*auto, fp32 or bf16"):
-        load_config(None, ["trainer.precision=fp16"])
+    with pytest.raises(ConfigError, match=r"runtime\.precision.*'auto', 'fp32', 'bf16'"):
+        load_config(None, ["runtime.precision=fp16"])
     with pytest.raises(ConfigError, match=r"trainer\.autocast.*off or bf16"):
         load_config(None, ["trainer.autocast=fp8"])
     for old, new in (("off", "fp32"), ("bf16", "bf16")):
         cfg = load_config(None, [f"trainer.autocast={old}"])
-        assert cfg.trainer.precision == new and cfg.trainer.autocast is None
-        assert f"trainer.autocast={old} read as trainer.precision={new}" in load_notes(cfg)
+        assert cfg.runtime.precision == new
+        assert f"trainer.autocast={old} -> runtime.precision={new}" in load_notes(cfg)[0]
     assert (
-        load_config(None, ["trainer.autocast=bf16", "trainer.precision=bf16"]).trainer.precision
+        load_config(None, ["trainer.autocast=bf16", "runtime.precision=bf16"]).runtime.precision
         == "bf16"
     )
     with pytest.raises(
-        ConfigError, match=r"trainer\.autocast=off .* contradicts trainer\.precision=bf16"
+        ConfigError,
+        match=r"trainer\.autocast=off \(now runtime\.precision\) and runtime\.precision=bf16 "
+        "disagree",
     ):
-        load_config(None, ["trainer.autocast=off", "trainer.precision=bf16"])
+        load_config(None, ["trainer.autocast=off", "runtime.precision=bf16"])
 
 
 def test_auto_precision_is_bf16_exactly_where_the_device_multiplies_bf16_natively():
@@ -125,11 +127,11 @@ def test_auto_precision_is_bf16_exactly_where_the_device_multiplies_bf16_nativel
     assert auto.reason.startswith("auto: ") and named in auto.reason
     assert resolve_precision("fp32", cpu).name == "fp32"
     assert resolve_precision("bf16", cpu).name == "bf16"
-    assert load_config(None, []).trainer.precision == "fp32"  # the demo's numbers everywhere
+    assert load_config(None, []).runtime.precision == "fp32"  # the demo's numbers everywhere
 
 
 def test_torch_compile_compiles_the_layer_parts_and_changes_nothing(tmp_path):
-    """trainer.torch_compile: the MLP and norms of each decoder layer compiled (attention, which
+    """runtime.torch_compile: the MLP and norms of each decoder layer compiled (attention, which
     takes the KV cache, stays eager); each of two steps gives the eager model's gradient."""
     from grpolab.setup import compile_decoder_layers
 
@@ -137,8 +139,8 @@ def test_torch_compile_compiles_the_layer_parts_and_changes_nothing(tmp_path):
     for on in (False, True):
         cfg = small_run_config(
             tmp_path / str(on),
-            "trainer.max_grad_norm=0",  # compare raw gradients
-            f"trainer.torch_compile={str(on).lower()}",
+            "optim.max_grad_norm=0",  # compare raw gradients
+            f"runtime.torch_compile={str(on).lower()}",
         )
         model, tokenizer = load_start_model(cfg, torch.device("cpu"))
         runs[on] = build_run(cfg, model, tokenizer)
@@ -162,5 +164,5 @@ def test_torch_compile_compiles_the_layer_parts_and_changes_nothing(tmp_path):
     compiled_parts = [name for name, m in layer.named_children() if m._compiled_call_impl]
     assert compiled_parts == ["mlp", "input_layernorm", "post_attention_layernorm"]
     assert not any(m._compiled_call_impl for m in eager.model.layers[0].children())
-    with pytest.raises(ValueError, match=r"trainer\.torch_compile=true: Linear has no"):
+    with pytest.raises(ValueError, match=r"runtime\.torch_compile=true: Linear has no"):
         compile_decoder_layers(torch.nn.Linear(2, 2))

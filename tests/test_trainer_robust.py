@@ -13,10 +13,10 @@ from grpolab.cli import main
 
 TINY = [
     "max_steps=5",
-    "trainer.prompts_per_step=2",
-    "trainer.num_generations=4",
-    "trainer.eval_examples=8",
-    "trainer.progress=false",
+    "batch.prompts_per_step=2",
+    "batch.num_generations=4",
+    "eval.eval_examples=8",
+    "logging.progress=false",
 ]
 
 REWARDS = '''
@@ -85,7 +85,7 @@ def test_a_reward_failing_on_every_sample_stops_the_run_with_a_checkpoint(
     captured = capsys.readouterr()
     assert error_line(captured.err) == (
         "grpolab: error: stopped at step 3: reward 'broken' failed on every sample of the last "
-        "3 steps (trainer.max_consecutive_reward_failures=3); its last error: KeyError: "
+        "3 steps (monitors.max_consecutive_reward_failures=3); its last error: KeyError: "
         f"'solution'; checkpoint {out / 'checkpoint-3'}"
     )
     assert (out / "checkpoint-3" / "COMPLETE").is_file()
@@ -100,7 +100,7 @@ def test_partial_and_passing_reward_failures_are_counted_without_stopping(
     for name in ("half_nan", "flaky"):
         out = tmp_path / name
         args = ["train", f"output_dir={out}", functions(rewards_file, name), *TINY]
-        assert main([*args, "--skip-preflight", "trainer.max_consecutive_reward_failures=3"]) == 0
+        assert main([*args, "--skip-preflight", "monitors.max_consecutive_reward_failures=3"]) == 0
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         errors = [r[f"reward_errors/{name}"] for r in rows]
         assert errors == ([4.0] * 5 if name == "half_nan" else [8.0, 8.0, 0.0, 0.0, 0.0])
@@ -143,9 +143,9 @@ def test_the_context_check_names_the_key_the_prompt_and_the_context(tmp_path, ca
         r"\(max_position_embeddings\); at most 58 fit",
         error_line(capsys.readouterr().err),
     )
-    args = ["train", f"output_dir={tmp_path / 'y'}", "trainer.eval_max_completion_length=59"]
+    args = ["train", f"output_dir={tmp_path / 'y'}", "eval.eval_max_completion_length=59"]
     assert main(args) == 2
-    assert "trainer.eval_max_completion_length=59: the longest prompt (held-out row" in (
+    assert "eval.eval_max_completion_length=59: the longest prompt (held-out row" in (
         error_line(capsys.readouterr().err)
     )
 
@@ -196,7 +196,7 @@ def test_eval_of_a_checkpoint_uses_its_runs_task_and_config(tmp_path, capsys):
     assert f"with the config it was trained with ({out / 'checkpoint-5' / 'config.yaml'})" in (
         printed
     )
-    # The trainer's own evaluation (trainer.eval_examples=8) repeated: the same problems,
+    # The trainer's own evaluation (eval.eval_examples=8) repeated: the same problems,
     # batches and lengths, the same number.
     assert f"accuracy (greedy): {after:.1f}% on 8 problems" in printed
     assert main(["eval", "--model", str(out / "checkpoint-5")]) == 0
@@ -208,7 +208,7 @@ def test_an_evaluation_prints_its_progress(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(trainer, "EVAL_PROGRESS_SECONDS", 0.0)  # a line after every batch
     out = tmp_path / "run"
-    args = ["train", f"output_dir={out}", *TINY, "max_steps=1", "trainer.eval_examples=24"]
+    args = ["train", f"output_dir={out}", *TINY, "max_steps=1", "eval.eval_examples=24"]
     assert main([*args, "--skip-preflight"]) == 0
     printed = capsys.readouterr().out
     for done in (8, 16):  # batches of a step's 8 rows; the last one is the result line

@@ -30,7 +30,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.pytorch_utils import Conv1D
 
-from grpolab.config import Config, ConfigError, check_overrides, load_config
+from grpolab.config import (
+    Config,
+    ConfigError,
+    canonical,
+    check_overrides,
+    load_config,
+    replaced,
+)
 from grpolab.models import load_tokenizer, save_policy
 from grpolab.preflight import preflight
 from grpolab.rewards import RewardModel
@@ -43,33 +50,33 @@ TRL_KEYS = {
     "output_dir": "output_dir",
     "max_steps": "max_steps",
     "seed": "seed",
-    "learning_rate": "trainer.learning_rate",
-    "num_generations": "trainer.num_generations",
-    "generation_batch_size": "trainer.generation_batch_size",
-    "epsilon": "trainer.epsilon",
-    "epsilon_high": "trainer.epsilon_high",
-    "delta": "trainer.delta",
-    "beta": "trainer.beta",
-    "loss_type": "trainer.loss_type",
-    "num_iterations": "trainer.num_iterations",
-    "scale_rewards": "trainer.scale_rewards",
-    "importance_sampling_level": "trainer.importance_sampling_level",
-    "mask_truncated_completions": "trainer.mask_truncated_completions",
-    "use_bias_correction_kl": "trainer.use_bias_correction_kl",
-    "vllm_importance_sampling_cap": "trainer.tis_cap",
-    "gradient_accumulation_steps": "trainer.gradient_accumulation_steps",
-    "lr_scheduler_type": "trainer.lr_scheduler",
-    "warmup_steps": "trainer.warmup_steps",
-    "adam_beta1": "trainer.adam_beta1",
-    "adam_beta2": "trainer.adam_beta2",
-    "weight_decay": "trainer.weight_decay",
-    "max_grad_norm": "trainer.max_grad_norm",
-    "save_steps": "trainer.save_steps",
-    "save_total_limit": "trainer.save_total_limit",
-    "eval_steps": "trainer.eval_steps",
-    "report_to": "trainer.report_to",
-    "logging_steps": "trainer.logging_steps",
-    "gradient_checkpointing": "trainer.gradient_checkpointing",
+    "learning_rate": "optim.learning_rate",
+    "num_generations": "batch.num_generations",
+    "generation_batch_size": "batch.generation_batch_size",
+    "epsilon": "objective.epsilon",
+    "epsilon_high": "objective.epsilon_high",
+    "delta": "objective.delta",
+    "beta": "objective.beta",
+    "loss_type": "objective.loss_type",
+    "num_iterations": "objective.num_iterations",
+    "scale_rewards": "objective.scale_rewards",
+    "importance_sampling_level": "objective.importance_sampling_level",
+    "mask_truncated_completions": "objective.mask_truncated_completions",
+    "use_bias_correction_kl": "objective.use_bias_correction_kl",
+    "vllm_importance_sampling_cap": "objective.tis_cap",
+    "gradient_accumulation_steps": "batch.gradient_accumulation_steps",
+    "lr_scheduler_type": "schedule.lr_scheduler",
+    "warmup_steps": "schedule.warmup_steps",
+    "adam_beta1": "optim.adam_beta1",
+    "adam_beta2": "optim.adam_beta2",
+    "weight_decay": "optim.weight_decay",
+    "max_grad_norm": "optim.max_grad_norm",
+    "save_steps": "checkpoints.save_steps",
+    "save_total_limit": "checkpoints.save_total_limit",
+    "eval_steps": "eval.eval_steps",
+    "report_to": "logging.report_to",
+    "logging_steps": "logging.logging_steps",
+    "gradient_checkpointing": "runtime.gradient_checkpointing",
     "max_completion_length": "rollout.max_completion_length",
     "temperature": "rollout.temperature",
     "reward_weights": "rewards.weights",
@@ -132,7 +139,7 @@ def _batch_overrides(given: dict[str, Any]) -> list[str]:
             "GRPOConfig: give per_device_train_batch_size or generation_batch_size, not both"
         )
     accumulation = given.get("gradient_accumulation_steps", 1)
-    return [f"trainer.generation_batch_size={int(per_device) * int(accumulation)}"]
+    return [f"batch.generation_batch_size={int(per_device) * int(accumulation)}"]
 
 
 def _text(value: Any) -> str:
@@ -166,8 +173,8 @@ class GRPOTrainer:
     (on the CPU, in model.dtype). Without it, a model object's tokenizer is loaded from the
     object's name_or_path.
 
-    `peft_config`: a peft.LoraConfig, as trainer.lora_r / lora_alpha / lora_dropout /
-    lora_target_modules. target_modules as peft reads it: a list or set of module names, a
+    `peft_config`: a peft.LoraConfig, as the lora section's r / alpha / dropout /
+    target_modules. target_modules as peft reads it: a list or set of module names, a
     regex over the full module names, "all-linear" (every linear layer but the output head),
     or None (peft's default for the model type); the last three are resolved here against
     the model into module names. Any other LoraConfig field changed from peft's default is
@@ -230,16 +237,18 @@ class GRPOTrainer:
         if lora_keys is not None:
             config = self.config  # the model as named (a GGUF file's source included)
             modules = (lambda: model) if not named else (lambda: _skeleton(config))
-            lora_keys["trainer.lora_target_modules"] = _lora_targets(
+            lora_keys["lora.target_modules"] = _lora_targets(
                 peft_config.target_modules, modules
             )
             more += [f"{k}={_text(v)}" for k, v in lora_keys.items()]
         if more:
             self.config = _config(args, [*overrides, *more], lora=lora)
+        objects = {}  # what no override can carry: set on the loaded config, kept frozen
         if tokenizer is not None:
-            self.config.model.gguf_file = None  # the saved copy is a plain directory
+            objects["model.gguf_file"] = None  # the saved copy is a plain directory
         if reward_funcs is not None:
-            self.config.rewards.functions = _reward_list(reward_funcs)
+            objects["rewards.functions"] = _reward_list(reward_funcs)
+        self.config = replaced(self.config, objects)
 
     def _save_model(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, source: str
@@ -292,7 +301,8 @@ def _config(
         args = GRPOConfig(**args)
     given = args.overrides() if args else []
     if lora:
-        both = [o.split("=", 1)[0] for o in given if o.startswith("trainer.lora_")]
+        names = [o.split("=", 1)[0] for o in given]
+        both = [n for n in names if canonical(n).startswith("lora.")]
         if both:
             raise ConfigError(
                 f"peft_config and GRPOConfig({', '.join(both)}) both set LoRA: give one of them"
@@ -401,7 +411,7 @@ LORA_DESCRIPTIVE = ("peft_type", "auto_mapping", "peft_version", "base_model_nam
 
 
 def _lora_settings(peft_config: Any) -> dict[str, Any] | None:
-    """trainer.lora_r, lora_alpha and lora_dropout of a LoraConfig (target_modules, which may
+    """lora.r, lora.alpha and lora.dropout of a LoraConfig (target_modules, which may
     need the model, follow in `_lora_targets`); None without one."""
     if peft_config is None:
         return None
@@ -433,14 +443,14 @@ def _lora_settings(peft_config: Any) -> dict[str, Any] | None:
         )
     alpha = peft_config.lora_alpha
     return {
-        "trainer.lora_r": peft_config.r,
-        "trainer.lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
-        "trainer.lora_dropout": float(peft_config.lora_dropout),
+        "lora.r": peft_config.r,
+        "lora.alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora.dropout": float(peft_config.lora_dropout),
     }
 
 
 def _lora_targets(targets: Any, skeleton: Callable[[], torch.nn.Module]) -> list[str]:
-    """LoraConfig.target_modules as the module names trainer.lora_target_modules lists (peft
+    """LoraConfig.target_modules as the module names lora.target_modules lists (peft
     matches each name against a module's full name or its last dotted parts)."""
     where = f"peft_config.target_modules={_short(targets)}"
     if isinstance(targets, list | tuple | set | frozenset):

@@ -327,7 +327,7 @@ def save_run(run: Run, run_dir: Path, step: int, progress: dict[str, Any]) -> Pa
     path = Path(run_dir) / f"checkpoint-{step}"
     if d.main:
         plain = model if weights is None else unsharded_copy(model, weights)
-        limit = run.cfg.trainer.save_total_limit
+        limit = run.cfg.checkpoints.save_total_limit
         path = save_checkpoint(
             run_dir, step, plain, run.tokenizer, extra, state, limit, to_yaml(run.cfg)
         )
@@ -360,7 +360,7 @@ def restore(run: Run, checkpoint_dir: Path) -> tuple[int, dict[str, Any]]:
     elif dist_module.is_sharded(model):
         raise ValueError(
             f"--resume {str(checkpoint_dir)!r}: a single-process checkpoint resumes under "
-            "trainer.distributed=ddp, not fsdp"
+            "parallel.strategy=ddp, not fsdp"
         )
     else:
         run.optimizer.load_state_dict(extra["optimizer"])
@@ -379,7 +379,7 @@ def apply_optimizer_config(run: Run) -> None:
     schedule (a loaded state dict brings the checkpoint's). With an unchanged config this
     rewrites the values they already hold: base_lr * multiplier(step) is the schedule's own
     formula."""
-    t = run.cfg.trainer
+    t = run.cfg.optim
     scheduler = run.scheduler
     scheduler.base_lrs = [t.learning_rate] * len(scheduler.base_lrs)
     for group, multiplier in zip(run.optimizer.param_groups, scheduler.lr_lambdas, strict=True):

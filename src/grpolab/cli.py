@@ -10,7 +10,7 @@ import sys
 import threading
 import traceback
 
-# A config override: a dotted key, "=", a value (e.g. trainer.learning_rate=1e-6).
+# A config override: a dotted key, "=", a value (e.g. optim.learning_rate=1e-6).
 OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*=")
 
 
@@ -67,7 +67,7 @@ def chosen_functions(cfg, impl_path: str | None):
         user = load_impl(impl_path) if impl_path else None
     except ImplLoadError as e:
         raise ValueError(str(e)) from None
-    return core_functions(cfg.trainer.logprobs, cfg.trainer.shared_prefix, user)
+    return core_functions(cfg.runtime.logprobs, cfg.runtime.shared_prefix, user)
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
@@ -228,7 +228,7 @@ def add_train_parser(sub) -> None:
         help="a Python file defining any of the core functions to train with instead",
     )
     train.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="e.g. trainer.learning_rate=1e-6"
+        "overrides", nargs="*", metavar="KEY=VALUE", help="e.g. optim.learning_rate=1e-6"
     )
     train.set_defaults(func=cmd_train)
 

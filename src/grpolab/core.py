@@ -8,36 +8,40 @@ input_ids[:, 1:].
 
 from __future__ import annotations
 
-import inspect
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-ADVANTAGE_SCALES = ("group", "batch", "none")
-AGGREGATIONS = ("sequence", "token", "constant")
-# TRL's loss_type names for the same normalisers. "cispo" is also a surrogate of its own
-# (`policy_loss(loss="cispo")`), normalised by the token count as TRL does.
-LOSS_TYPE_ALIASES = {
-    "grpo": "sequence",
-    "bnpo": "token",
-    "dapo": "token",
-    "dr_grpo": "constant",
-    "cispo": "token",
-}
-LOGPROB_SOURCES = ("trainer", "engine")
-ADVANTAGE_STDS = ("population", "sample")  # divide the squared deviations by G or by G - 1
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-SURROGATES = ("clip", "cispo")
-# Against the engine's log-probs: per token or per sequence, capped (truncate) or dropped
-# above the cap (mask). TRL's vllm_importance_sampling_mode values.
-TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-WHITEN_EPS = 1e-8  # reinforce_pp's batch whitening: (x - mean) / sqrt(var + WHITEN_EPS)
+# The objective's units: what the core dispatches to by name, and (re-exported, __all__) the
+# objective record, the profiles, the card and the menu's maths their units hold.
+from grpolab.objective import (
+    AGGREGATIONS,
+    CONVENTION_KWARGS,
+    ESTIMATORS,
+    KL_OPTIONS,
+    LOSS_OPTION_DEFAULTS,
+    LOSS_OPTIONS,
+    LOSS_TYPE_ALIASES,
+    LOSS_TYPES,
+    PROFILE_SOURCES,
+    PROFILES,
+    SURROGATES,
+    Objective,
+    accepted_kwargs,
+    aggregation,
+    check_value,
+    objective_card,
+    surrogate_of,
+)
+from grpolab.objective.base import masked_mean
+from grpolab.objective.dynamic_sampling import informative_groups
+from grpolab.objective.kl import FORMULAS as _KL_FORMULAS
+from grpolab.objective.reinforce_pp import WHITEN_EPS, whiten
+from grpolab.objective.tis import TIS_MODES, tis_weights
+from grpolab.objective.truncation import truncation_mask
 
+KL_ESTIMATORS = tuple(_KL_FORMULAS)
 
 # --- Token log-probabilities ------------------------------------------------------------------
 
@@ -118,7 +122,8 @@ def group_advantages(
     peers' convention). estimator: "grpo" (the above), "rloo" (reward minus the mean of the
     group's other G - 1 rewards, not scaled), "reinforce_pp" (reward minus the group mean,
     then whitened over the batch, each sequence weighted by `lengths` [B], its completion
-    tokens, when given: REINFORCE++ with a group baseline). valid: [B] bool, the rows that
+    tokens, when given: REINFORCE++ with a group baseline); both are units of
+    grpolab.objective. valid: [B] bool, the rows that
     vote (None: all): a row no reward function could score, or one out of the loss, is left
     out of its group's mean and std and gets exactly 0 (TRL's convention for all-None
     rewards); a group with fewer than 2 valid rows gets 0. Returns [B].
@@ -149,11 +154,9 @@ def group_advantages(
     r = rewards.view(-1, group_size)  # [n_groups, G]
     mean = r.mean(dim=1, keepdim=True)  # [n_groups, 1]
     std = r.std(dim=1, unbiased=unbiased, keepdim=True)  # [n_groups, 1]
-    if estimator == "rloo":
-        # r_i - (sum_j r_j - r_i) / (G - 1) = G / (G - 1) * (r_i - mean)
-        adv = (r - mean) * (group_size / (group_size - 1))
-    elif estimator == "reinforce_pp":
-        adv = whiten(r - mean, None if lengths is None else lengths.view_as(r), unbiased)
+    if estimator != "grpo":  # a registered estimator (grpolab.objective: rloo, reinforce_pp)
+        weights = None if lengths is None else lengths.view_as(r)
+        adv = ESTIMATORS[estimator].estimate(r - mean, group_size, weights, unbiased)
     elif scale == "group":
         adv = (r - mean) / _nonzero(std + eps)
     elif scale == "batch":
@@ -184,11 +187,9 @@ def _valid_group_advantages(
     mean = (r * v).sum(dim=1, keepdim=True) / n.clamp(min=1)
     centred = (r - mean) * v
     std = ((centred**2).sum(dim=1, keepdim=True) / (n - float(unbiased)).clamp(min=1)).sqrt()
-    if estimator == "rloo":
-        adv = centred * (n / (n - 1).clamp(min=1))
-    elif estimator == "reinforce_pp":
-        w = v if lengths is None else lengths.view_as(r).to(r.dtype) * v
-        adv = whiten(centred, w, unbiased)
+    if estimator != "grpo":
+        weights = v if lengths is None else lengths.view_as(r).to(r.dtype) * v
+        adv = ESTIMATORS[estimator].estimate(centred, n, weights, unbiased)
     elif scale == "group":
         adv = centred / _nonzero(std + eps)
     elif scale == "batch":
@@ -198,38 +199,6 @@ def _valid_group_advantages(
         adv = centred
     keep = (n >= 2) & (std > eps) if zero_std_guard else n >= 2
     return torch.where(keep & valid.view_as(r), adv, torch.zeros_like(adv)).view(-1)
-
-
-def whiten(
-    values: torch.Tensor, weights: torch.Tensor | None = None, unbiased: bool = False
-) -> torch.Tensor:
-    """(values - mean) / sqrt(var + WHITEN_EPS) over all entries, each weighted by `weights`
-    (same shape; None: equal weights). unbiased: the variance of the sum of weights W is
-    divided by W - 1 (verl's token-level whitening) instead of W."""
-    w = torch.ones_like(values) if weights is None else weights.to(values.dtype)
-    total = w.sum()
-    mean = (w * values).sum() / total
-    var = (w * (values - mean) ** 2).sum() / total
-    if unbiased:
-        var = var * total / (total - 1)
-    return (values - mean) * torch.rsqrt(var + WHITEN_EPS)
-
-
-def informative_groups(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
-    """Which groups teach something: population std of the group's rewards > eps, computed
-    in float64 (DAPO's dynamic sampling keeps these and samples more). [B] -> [n_groups] bool."""
-    r = rewards.double().view(-1, group_size)
-    return r.std(dim=1, unbiased=False) > eps
-
-
-def truncation_mask(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
-    """The loss mask without the completions that hit max_completion_length (TRL's
-    mask_truncated_completions): they leave the loss and its normaliser, and the trainer
-    leaves them out of their group's statistics (advantage 0). mask [B, T], truncated [B]
-    bool -> [B, T]."""
-    if truncated.shape != mask.shape[:1]:
-        raise ValueError(f"truncated {tuple(truncated.shape)} must be [B] = [{mask.shape[0]}]")
-    return mask * (~truncated.bool()).unsqueeze(1).to(mask.dtype)
 
 
 # --- Ratio and the clipped surrogate ----------------------------------------------------------
@@ -247,6 +216,7 @@ def policy_loss(
     delta: float | None = None,
     dual_clip: float | None = None,
     log_ratio_clamp: float | None = None,
+    **surrogate_options: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate -min(ratio * A, clip(ratio, 1-eps_low, 1+eps_high) * A).
 
@@ -256,24 +226,20 @@ def policy_loss(
 
     importance_sampling_level="sequence" (GSPO): one ratio per sequence, exp of the MEAN
     log-ratio over its completion tokens, clipped per sequence, the same value on each of
-    its tokens. loss="cispo": -sg(min(ratio, eps_high)) * A * logp_new, the capped ratio
-    detached (TRL's CISPO: eps_high is the cap itself); clip_frac counts capped tokens with
-    A > 0. delta: the unclipped term's ratio capped at delta (TRL's two-sided clip).
+    its tokens. delta: the unclipped term's ratio capped at delta (TRL's two-sided clip).
     dual_clip: for A < 0 the loss is at most -A * dual_clip (verl's clip_ratio_c).
     log_ratio_clamp: the log-ratio clamped to [-c, c] before exp (verl, OpenRLHF: 20).
+    loss: "clip", or a surrogate registered in grpolab.objective (SURROGATES: "cispo",
+    "sapo"), computed by its unit from the same ratio, with its `surrogate_options`.
     """
     _check_loss_inputs(logp_new, logp_old, None, advantages, mask)
-    _check_clip(eps_low, eps_high)
-    _check_policy_options(importance_sampling_level, loss, delta, dual_clip)
-    valid = mask.bool()
+    _check_policy_options(eps_low, eps_high, importance_sampling_level, loss, delta, dual_clip)
+    _check_surrogate_options(loss, surrogate_options)
     adv = advantages.unsqueeze(1)  # [B, 1]
     ratio = importance_ratio(logp_new, logp_old, mask, importance_sampling_level, log_ratio_clamp)
-    if loss == "cispo":
-        weight = ratio.clamp(max=eps_high).detach()  # [B, T] or [B, 1]
-        per_token = -weight * adv * torch.where(valid, logp_new, torch.zeros_like(logp_new))
-        with torch.no_grad():
-            capped = ((ratio > eps_high) & (adv > 0)).float().expand_as(logp_new)
-            return per_token, masked_mean(capped, mask)
+    if loss != "clip":
+        per_token = SURROGATES[loss].per_token
+        return per_token(ratio, adv, logp_new, mask, eps_low, eps_high, **surrogate_options)
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     unclipped = ratio if delta is None else ratio.clamp(max=delta)
     per_token = -torch.min(unclipped * adv, clipped * adv)  # [B, T]; minus: we minimise
@@ -335,8 +301,7 @@ def kl_estimate(
     k2 = d^2 / 2, k3 = exp(d) - d - 1. clamp: the estimate clamped to [-clamp, clamp] and,
     for k3, d to [-2 clamp, 2 clamp] first so exp cannot overflow (verl and OpenRLHF: 10;
     where the d clamp acts, the estimate is clamped anyway)."""
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator={estimator!r} is not one of {list(KL_ESTIMATORS)}")
+    check_value("kl_estimator", estimator)
     if estimator == "k3" and clamp is None:
         return kl_k3(logp_new, logp_ref)
     d = logp_ref - logp_new
@@ -366,8 +331,7 @@ def aggregate(
     "constant": sum over all tokens / (B * max_completion_length) (Dr. GRPO): no length bias.
     """
     if LOSS_TYPE_ALIASES.get(mode, mode) not in AGGREGATIONS:
-        valid = list(AGGREGATIONS) + sorted(LOSS_TYPE_ALIASES)
-        raise ValueError(f"mode={mode!r} is not one of {valid}")
+        raise ValueError(f"mode={mode!r} is not one of {list(LOSS_TYPES)}")
     mode = aggregation(mode)
     if per_token.shape != mask.shape or per_token.dim() != 2:
         raise ValueError(
@@ -433,12 +397,6 @@ def rows_without_gradient(
     return none
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` over positions where mask is set (0 when none is)."""
-    masked = torch.where(mask.bool(), values, torch.zeros_like(values))
-    return masked.sum() / mask.sum().clamp(min=1)
-
-
 # --- The assembled loss -----------------------------------------------------------------------
 
 
@@ -454,15 +412,8 @@ def grpo_loss(
     loss_agg: str = "sequence",
     max_completion_length: int | None = None,
     token_weights: torch.Tensor | None = None,
-    importance_sampling_level: str = "token",
-    delta: float | None = None,
-    dual_clip: float | None = None,
-    log_ratio_clamp: float | None = None,
-    kl_estimator: str = "k3",
-    kl_clamp: float | None = None,
-    use_bias_correction_kl: bool = False,
     entropy: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
+    **options: object,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate + beta * k3 KL per token, aggregated by `loss_agg`.
 
@@ -470,13 +421,14 @@ def grpo_loss(
     metrics). Every token statistic in the metrics is a mean over masked tokens only.
     token_weights [B, T] (optional, no gradient) multiply the policy term per token: the
     truncated importance weights that correct for an engine sampling from slightly other
-    numerics than the trainer's (see `tis_weights`).
-    The options of `policy_loss` (importance_sampling_level, delta, dual_clip,
-    log_ratio_clamp; loss_agg="cispo" picks the CISPO surrogate) and of `kl_estimate`
-    (kl_estimator, kl_clamp) apply; use_bias_correction_kl multiplies the KL term by the
-    importance ratio (TRL's default). entropy [B, T] (the policy's, with gradient): its
-    masked mean is the metric "entropy", and entropy_coef * entropy is subtracted from each
-    token's loss (an entropy bonus, aggregated like the rest).
+    numerics than the trainer's (see `tis_weights`). entropy [B, T] (the policy's, with
+    gradient): its masked mean is the metric "entropy".
+    `options`: the objective's units' keywords (grpolab.objective: LOSS_OPTION_DEFAULTS):
+    policy_loss's (importance_sampling_level, delta, dual_clip, log_ratio_clamp; a loss_agg
+    naming a registered surrogate, "cispo" or "sapo", picks it, with its own options); the
+    KL's (kl_estimator, kl_clamp, use_bias_correction_kl: the KL term times the importance
+    ratio, TRL's default); entropy_coef (entropy_coef * entropy subtracted from each token's
+    loss: an entropy bonus, aggregated like the rest).
     """
     _check_loss_inputs(logp_new, logp_old, logp_ref, advantages, mask)
     for name, extra in (("token_weights", token_weights), ("entropy", entropy)):
@@ -488,28 +440,25 @@ def grpo_loss(
         raise ValueError(f"beta must be >= 0, got {beta}")
     if beta > 0 and logp_ref is None:
         raise ValueError(f"beta={beta} > 0 needs logp_ref (reference log-probs), got None")
-    options = {
-        "importance_sampling_level": importance_sampling_level,
-        "delta": delta,
-        "dual_clip": dual_clip,
-        "log_ratio_clamp": log_ratio_clamp,
-    }
-    surrogate = "cispo" if loss_agg == "cispo" else "clip"
+    policy, kl_options, entropy_coef = _split_loss_options(loss_agg, options)
+    surrogate = surrogate_of(loss_agg)
     per_token, clip_frac = policy_loss(
-        logp_new, logp_old, advantages, mask, eps_low, eps_high, loss=surrogate, **options
+        logp_new, logp_old, advantages, mask, eps_low, eps_high, loss=surrogate, **policy
     )
     if token_weights is not None:
         per_token = per_token * token_weights.detach()
     kl = None
     if logp_ref is not None:
-        kl = _kl_term(logp_new, logp_old, logp_ref, mask, kl_estimator, kl_clamp, options)
+        estimator, clamp, bias_correction = kl_options
+        kl = _kl_term(logp_new, logp_ref, mask, estimator, clamp)
         if beta > 0:
             scaled = kl
-            if use_bias_correction_kl:
+            if bias_correction:
                 # The per-token ratio whatever the policy term's level: the KL is per token,
                 # and a GSPO sequence ratio [B, 1] would add a gradient term of every token's
                 # KL to every other token of the sequence (TRL #6586).
-                scaled = kl * importance_ratio(logp_new, logp_old, mask, "token", log_ratio_clamp)
+                clamp_ratio = policy.get("log_ratio_clamp")
+                scaled = kl * importance_ratio(logp_new, logp_old, mask, "token", clamp_ratio)
             per_token = per_token + beta * scaled
     if entropy is not None and entropy_coef:
         per_token = per_token - entropy_coef * entropy
@@ -520,7 +469,18 @@ def grpo_loss(
     return loss, metrics
 
 
-def _kl_term(logp_new, logp_old, logp_ref, mask, estimator, clamp, options) -> torch.Tensor:
+def _split_loss_options(loss_agg: str, options: dict) -> tuple[dict, tuple, float]:
+    """grpo_loss's options as (policy_loss's, (kl_estimator, kl_clamp,
+    use_bias_correction_kl), entropy_coef); an option no unit declares is a ValueError."""
+    unknown = sorted(set(options) - set(LOSS_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown grpo_loss options {unknown}; valid: {sorted(LOSS_OPTIONS)}")
+    policy = {k: v for k, v in options.items() if LOSS_OPTIONS[k].policy}
+    kl = tuple(options.get(k, LOSS_OPTION_DEFAULTS[k]) for k in KL_OPTIONS)
+    return policy, kl, float(options.get("entropy_coef", 0.0))
+
+
+def _kl_term(logp_new, logp_ref, mask, estimator, clamp) -> torch.Tensor:
     """The per-token KL estimate [B, T]; 0 where the mask is 0 (0 on both sides there, so
     garbage cannot reach the gradient)."""
     valid, zeros = mask.bool(), torch.zeros_like(logp_new)
@@ -556,423 +516,6 @@ def _clip_sides(logp_new, logp_old, advantages, mask, eps_low, eps_high) -> dict
         "clip_frac_low": masked_mean(low, mask).item(),
         "clip_frac_high": masked_mean(high, mask).item(),
     }
-
-
-def tis_weights(
-    logp_trainer: torch.Tensor,
-    logp_engine: torch.Tensor,
-    mask: torch.Tensor,
-    cap: float,
-    mode: str = "token_truncate",
-) -> torch.Tensor:
-    """Importance weights pi_trainer / pi_engine against the engine that sampled: [B, T].
-
-    The engine sampled from pi_engine; the loss is built on the trainer's pi_trainer. Their
-    ratio reweights each sampled token to the trainer's distribution. mode (TRL's
-    vllm_importance_sampling_mode): "token_truncate" min(ratio, cap) per token (the cap
-    bounds the variance); "token_mask" the ratio, 0 where it exceeds the cap;
-    "sequence_truncate" / "sequence_mask" one ratio per sequence, exp of the SUM of its
-    tokens' log-ratios (the probability ratio of the whole completion), capped or dropped
-    (0) above the cap, on each of its tokens. 1 at masked positions (token modes).
-    """
-    if not cap > 0:
-        raise ValueError(f"cap must be > 0, got {cap}")
-    if mode not in TIS_MODES:
-        raise ValueError(f"mode={mode!r} is not one of {list(TIS_MODES)}")
-    _check_same_shape(logp_trainer=logp_trainer, logp_engine=logp_engine, mask=mask)
-    log_w = torch.where(mask.bool(), logp_trainer - logp_engine, torch.zeros_like(logp_trainer))
-    if mode.startswith("sequence"):
-        log_w = log_w.sum(dim=1, keepdim=True)  # [B, 1]
-    w = torch.exp(log_w)
-    if mode.endswith("truncate"):
-        w = w.clamp(max=cap)
-    else:
-        w = torch.where(w > cap, torch.zeros_like(w), w)
-    return w.expand_as(logp_trainer)
-
-
-# --- The objective: one record of what is optimised -------------------------------------------
-
-
-def aggregation(loss_type: str) -> str:
-    """The normaliser a loss_type names: one of AGGREGATIONS, TRL's aliases resolved."""
-    resolved = LOSS_TYPE_ALIASES.get(loss_type, loss_type)
-    if resolved not in AGGREGATIONS:
-        valid = list(AGGREGATIONS) + sorted(LOSS_TYPE_ALIASES)
-        raise ValueError(f"loss_type={loss_type!r} is not one of {valid}")
-    return resolved
-
-
-# Each peer's GRPO: every convention in which the trainers differ, as the peer's defaults
-# set it (its GRPO recipe where its defaults are not GRPO). `trainer.profile` picks one; a
-# key set explicitly overrides the profile's value.
-PROFILES: dict[str, dict[str, Any]] = {
-    "seed": {
-        "advantage_std": "population",
-        "advantage_eps": 1e-4,
-        "zero_std_guard": True,
-        "loss_type": "sequence",
-        "epsilon": 0.2,
-        "epsilon_high": 0.28,
-        "log_ratio_clamp": None,
-        "dual_clip": None,
-        "kl_estimator": "k3",
-        "kl_clamp": None,
-        "use_bias_correction_kl": False,
-    },
-    # GRPOConfig's defaults: sample std (nanstd) + 1e-4, no zero guard, loss_type "dapo",
-    # epsilon_high = epsilon, k3 times the importance ratio (use_bias_correction_kl).
-    "trl": {
-        "advantage_std": "sample",
-        "advantage_eps": 1e-4,
-        "zero_std_guard": False,
-        "loss_type": "dapo",
-        "epsilon": 0.2,
-        "epsilon_high": 0.2,
-        "log_ratio_clamp": None,
-        "dual_clip": None,
-        "kl_estimator": "k3",
-        "kl_clamp": None,
-        "use_bias_correction_kl": True,
-    },
-    # compute_grpo_outcome_advantage (torch.std + 1e-6), loss_agg_mode "token-mean",
-    # clip_ratio 0.2, log-ratio clamped to +-20, dual-clip clip_ratio_c = 3, KL loss
-    # "low_var_kl" (k3, d in [-20, 20], value in [-10, 10]).
-    "verl": {
-        "advantage_std": "sample",
-        "advantage_eps": 1e-6,
-        "zero_std_guard": False,
-        "loss_type": "token",
-        "epsilon": 0.2,
-        "epsilon_high": 0.2,
-        "log_ratio_clamp": 20.0,
-        "dual_clip": 3.0,
-        "kl_estimator": "k3",
-        "kl_clamp": 10.0,
-        "use_bias_correction_kl": False,
-    },
-    # The group_norm estimator (std + 1e-9), token-mean loss, eps_clip 0.2, log-ratio
-    # clamped to +-20, no dual-clip by default, KL as a loss with k3 clamped to [-10, 10].
-    "openrlhf": {
-        "advantage_std": "sample",
-        "advantage_eps": 1e-9,
-        "zero_std_guard": False,
-        "loss_type": "token",
-        "epsilon": 0.2,
-        "epsilon_high": 0.2,
-        "log_ratio_clamp": 20.0,
-        "dual_clip": None,
-        "kl_estimator": "k3",
-        "kl_clamp": 10.0,
-        "use_bias_correction_kl": False,
-    },
-}
-PROFILE_SOURCES = {
-    "seed": "grpolab's own",
-    "trl": "TRL 1.16 GRPOTrainer's defaults",
-    "verl": "verl 0.9's GRPO recipe (core_algos)",
-    "openrlhf": "OpenRLHF 0.11's GRPO recipe (group_norm, KL loss k3)",
-}
-# Keyword arguments a user's function may leave out: a function without them computes one
-# fixed convention, which the preflight checks against the declared one. The menu's other
-# options change the algorithm and need a function that takes them.
-CONVENTION_KWARGS = (
-    "valid",
-    "std",
-    "zero_std_guard",
-    "log_ratio_clamp",
-    "dual_clip",
-    "kl_estimator",
-    "kl_clamp",
-    "use_bias_correction_kl",
-)
-
-
-@dataclass(frozen=True)
-class Objective:
-    """Everything that decides which "GRPO" is optimised, with TRL's names, validated on
-    construction. The trainer's loss, the objective card and the preflight's expectations
-    all read this one record."""
-
-    num_generations: int = 8
-    scale_rewards: str = "group"
-    advantage_eps: float = 1e-4
-    epsilon: float = 0.2
-    epsilon_high: float = 0.28
-    beta: float = 0.0
-    loss_type: str = "sequence"  # as written (an alias allowed); `aggregation` resolves it
-    max_completion_length: int | None = None
-    temperature: float = 1.0
-    num_iterations: int = 1
-    logprob_source: str = "trainer"
-    tis_cap: float | None = None  # importance weights against the engine (tis_mode)
-    profile: str = "seed"  # whose conventions the fields below were resolved from
-    advantage_std: str = "population"
-    zero_std_guard: bool = True
-    advantage_estimator: str = "grpo"
-    log_ratio_clamp: float | None = None
-    dual_clip: float | None = None
-    delta: float | None = None
-    importance_sampling_level: str = "token"
-    kl_estimator: str = "k3"
-    kl_clamp: float | None = None
-    use_bias_correction_kl: bool = False
-    entropy_coef: float = 0.0
-    mask_truncated_completions: bool = False
-    dynamic_sampling: bool = False
-    dynamic_sampling_max_rounds: int = 4  # extra generation rounds per step, at most
-    tis_mode: str = "token_truncate"
-
-    def __post_init__(self) -> None:
-        agg = aggregation(self.loss_type)
-        if agg == "constant" and not self.max_completion_length:
-            raise ValueError('loss_type="constant" needs max_completion_length > 0')
-        for name, valid in (
-            ("scale_rewards", ADVANTAGE_SCALES),
-            ("logprob_source", LOGPROB_SOURCES),
-            ("profile", tuple(PROFILES)),
-            ("tis_mode", TIS_MODES),
-        ):
-            if getattr(self, name) not in valid:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(valid)}")
-        _check_clip(self.epsilon, self.epsilon_high)
-        _check_advantage_options(self.scale_rewards, self.advantage_std, self.advantage_estimator)
-        _check_policy_options(
-            self.importance_sampling_level, self.surrogate, self.delta, self.dual_clip
-        )
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(
-                f"kl_estimator={self.kl_estimator!r} is not one of {list(KL_ESTIMATORS)}"
-            )
-        for name in ("log_ratio_clamp", "kl_clamp"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 or None (off), got {value}")
-        if self.surrogate == "cispo" and not self.epsilon_high > 1:
-            raise ValueError(
-                f"loss_type='cispo' caps the ratio at epsilon_high itself (TRL's CISPO), so it "
-                f"must be > 1 (e.g. 5.0), got {self.epsilon_high}"
-            )
-        if self.dynamic_sampling_max_rounds < 0:
-            raise ValueError(
-                f"dynamic_sampling_max_rounds must be >= 0, got {self.dynamic_sampling_max_rounds}"
-            )
-
-    @property
-    def aggregation(self) -> str:
-        return aggregation(self.loss_type)
-
-    @property
-    def surrogate(self) -> str:
-        return "cispo" if self.loss_type == "cispo" else "clip"
-
-    @classmethod
-    def of(cls, config: Any) -> Objective:
-        """From an Objective, a mapping of its fields, or any object with some of its fields as
-        attributes (a trainer config); missing fields take the defaults."""
-        names = [f.name for f in fields(cls)]
-        if isinstance(config, Objective):
-            return config
-        if isinstance(config, Mapping):
-            unknown = sorted(set(config) - set(names))
-            if unknown:
-                raise ValueError(f"unknown objective keys {unknown}; valid keys: {names}")
-            return cls(**config)
-        return cls(**{n: getattr(config, n) for n in names if hasattr(config, n)})
-
-    def advantage_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `group_advantages` (after rewards and group size); the
-        conventions and the estimator only where they differ from the seed's, so a function
-        with the seed's signature takes the seed's objective unchanged."""
-        kwargs: dict[str, Any] = {"scale": self.scale_rewards, "eps": self.advantage_eps}
-        extra = {
-            "std": self.advantage_std,
-            "zero_std_guard": self.zero_std_guard,
-            "estimator": self.advantage_estimator,
-        }
-        defaults = {"std": "population", "zero_std_guard": True, "estimator": "grpo"}
-        return kwargs | {k: v for k, v in extra.items() if v != defaults[k]}
-
-    def loss_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `grpo_loss` (after the tensors) that this objective sets:
-        the seed's five, and each further option where it differs from its default."""
-        kwargs = {
-            "eps_low": self.epsilon,
-            "eps_high": self.epsilon_high,
-            "beta": self.beta,
-            "loss_agg": self.loss_type,
-            "max_completion_length": self.max_completion_length,
-        }
-        extra = {name: getattr(self, name) for name in LOSS_OPTION_DEFAULTS}
-        return kwargs | {k: v for k, v in extra.items() if v != LOSS_OPTION_DEFAULTS[k]}
-
-    def differs_from_seed(self, name: str) -> bool:
-        """Whether the resolved value of a profile convention is not the seed's."""
-        return getattr(self, name) != PROFILES["seed"][name]
-
-    @property
-    def on_policy(self) -> bool:
-        """logp_old is the sampling policy's own log-probs, taken by the trainer."""
-        return self.logprob_source == "trainer"
-
-
-# grpo_loss's options beyond the seed's and their defaults (passed only when set otherwise).
-LOSS_OPTION_DEFAULTS: dict[str, Any] = {
-    "importance_sampling_level": "token",
-    "delta": None,
-    "dual_clip": None,
-    "log_ratio_clamp": None,
-    "kl_estimator": "k3",
-    "kl_clamp": None,
-    "use_bias_correction_kl": False,
-    "entropy_coef": 0.0,
-}
-
-
-def accepted_kwargs(fn: Callable, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """`kwargs` without the conventions `fn` does not take (CONVENTION_KWARGS): a user's
-    function written for one convention is called as it was written, and the preflight
-    checks that it computes the declared one. Everything else is passed as given."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return dict(kwargs)
-    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(kwargs)
-    return {k: v for k, v in kwargs.items() if k in params or k not in CONVENTION_KWARGS}
-
-
-def objective_card(config: Any) -> str:
-    """The resolved objective on one screen, printed at the start of every run: the profile
-    and every resolved convention, marked * where it differs from the seed's.
-
-    `config`: anything `Objective.of` takes."""
-    o = Objective.of(config)
-    lines = [
-        f"GRPO objective, profile {o.profile} ({PROFILE_SOURCES[o.profile]}); * differs from "
-        "the seed's",
-        f"  groups        G = {o.num_generations} samples per prompt, contiguous",
-        *_card_advantages(o),
-        *_card_ratio(o),
-        f"  KL            {_card_kl(o)}",
-        f"  aggregation   {_card_aggregation(o)}",
-        f"  inner epochs  num_iterations = {o.num_iterations}",
-        *_card_menu(o),
-    ]
-    return "\n".join(lines)
-
-
-def _mark(o: Objective, *names: str) -> str:
-    return " *" if any(o.differs_from_seed(n) for n in names) else ""
-
-
-def _card_advantages(o: Objective) -> list[str]:
-    divisor = "G - 1" if o.advantage_std == "sample" else "G"
-    kind = {"population": "population std", "sample": "sample std"}[o.advantage_std]
-    std = {
-        "group": f"{kind} of the group (divide by {divisor})",
-        "batch": f"{kind} of the whole batch",
-        "none": "none: mean-centred only (Dr. GRPO)",
-    }[o.scale_rewards]
-    eps = f"{o.advantage_eps:g}"
-    formula = {
-        "grpo": f"(r - mean_group) / ({std} + {eps})",
-        "rloo": "r - mean of the group's other G - 1 rewards (RLOO), not scaled",
-        "reinforce_pp": "r - mean_group, whitened over the batch (token-weighted, REINFORCE++)",
-    }[o.advantage_estimator]
-    guard = (
-        f"exactly 0 where group std <= {eps}"
-        if o.zero_std_guard
-        else "no zero-std guard: an equal-reward group is 0, a near-equal one is divided by "
-        f"std + {eps}"
-    )
-    return [
-        f"  advantage     {formula}{_mark(o, 'advantage_std', 'advantage_eps')}"
-        + (" (estimator *)" if o.advantage_estimator != "grpo" else ""),
-        f"  zero std      {guard}{_mark(o, 'zero_std_guard')}",
-    ]
-
-
-def _card_ratio(o: Objective) -> list[str]:
-    source = {
-        "trainer": "an extra forward of the training model before any update (exact)",
-        "engine": "the rollout engine's log-probs (saves a forward, biased)",
-    }[o.logprob_source]
-    if o.importance_sampling_level == "sequence":
-        ratio = "exp(mean over the sequence's tokens of logp_new - logp_old) per sequence (GSPO) *"
-    else:
-        ratio = "exp(logp_new - logp_old) per token"
-    clamp = "" if o.log_ratio_clamp is None else f"; log-ratio clamped to +-{o.log_ratio_clamp:g}"
-    lo, hi = 1 - o.epsilon, 1 + o.epsilon_high
-    if o.surrogate == "cispo":
-        clip = f"CISPO: -sg(min(ratio, {o.epsilon_high:g})) * A * logp_new per token *"
-    else:
-        clip = (
-            f"ratio in [1 - {o.epsilon:g}, 1 + {o.epsilon_high:g}] = [{lo:g}, {hi:g}]; per token "
-            f"-min(ratio*A, clip(ratio)*A){_mark(o, 'epsilon', 'epsilon_high')}"
-        )
-        if o.delta is not None:
-            clip += f"; unclipped ratio capped at delta = {o.delta:g} (two-sided) *"
-        if o.dual_clip is not None:
-            clip += f"; A < 0: loss at most {o.dual_clip:g} * |A| (dual-clip) *"
-    return [
-        f"  ratio         {ratio} at temperature {o.temperature:g}{clamp}"
-        + _mark(o, "log_ratio_clamp"),
-        f"  logp_old      {source}",
-        f"  clip          {clip}",
-    ]
-
-
-def _card_kl(o: Objective) -> str:
-    if o.beta == 0:
-        return "off (beta = 0, no reference model)"
-    formula = {
-        "k1": "k1 = logp_new - logp_ref",
-        "k2": "k2 = (logp_new - logp_ref)^2 / 2",
-        "k3": "k3 = exp(d) - d - 1 with d = logp_ref - logp_new",
-    }[o.kl_estimator]
-    text = f"{formula}, beta = {o.beta:g}{_mark(o, 'kl_estimator')}"
-    if o.kl_clamp is not None:
-        text += f"; clamped to +-{o.kl_clamp:g} *"
-    if o.use_bias_correction_kl:
-        text += "; times the importance ratio (bias correction) *"
-    return text
-
-
-def _card_aggregation(o: Objective) -> str:
-    normaliser = {
-        "sequence": "mean over each sequence's completion tokens, then mean over sequences",
-        "token": "sum over all completion tokens / number of completion tokens",
-        "constant": f"sum over all completion tokens / (B * {o.max_completion_length})",
-    }[o.aggregation]
-    return f"{o.aggregation} ({o.loss_type}): {normaliser}{_mark(o, 'loss_type')}"
-
-
-def _card_menu(o: Objective) -> list[str]:
-    lines = []
-    if o.tis_cap is not None:
-        unit = (
-            "per sequence (exp of the summed log-ratio)"
-            if "sequence" in o.tis_mode
-            else "per token"
-        )
-        how = "capped at" if o.tis_mode.endswith("truncate") else "dropped (0) above"
-        lines.append(
-            f"  engine        policy term x pi_trainer / pi_engine {unit}, {how} {o.tis_cap:g}"
-            f" ({o.tis_mode})"
-        )
-    entropy = "masked mean reported"
-    if o.entropy_coef:
-        entropy += f"; bonus: entropy_coef = {o.entropy_coef:g} x entropy subtracted per token"
-    lines.append(f"  entropy       {entropy}")
-    if o.mask_truncated_completions:
-        lines.append("  truncated     completions without EOS leave the loss and its normaliser")
-    if o.dynamic_sampling:
-        lines.append(
-            "  sampling      dynamic: groups with reward std <= "
-            f"{o.advantage_eps:g} dropped, up to {o.dynamic_sampling_max_rounds} more rounds"
-        )
-    return lines
 
 
 # --- The function table -----------------------------------------------------------------------
@@ -1036,33 +579,66 @@ def _check_loss_inputs(logp_new, logp_old, logp_ref, advantages, mask) -> None:
         )
 
 
-def _check_clip(eps_low: float, eps_high: float) -> None:
-    if not (0 <= eps_low < 1) or not math.isfinite(eps_low):
-        raise ValueError(f"eps_low (epsilon) must be in [0, 1), got {eps_low}")
-    if not (eps_high >= 0) or not math.isfinite(eps_high):
-        raise ValueError(f"eps_high (epsilon_high) must be >= 0, got {eps_high}")
+def _check_policy_options(eps_low, eps_high, level: str, loss: str, delta, dual_clip) -> None:
+    """Each option as its unit declares it (grpolab.objective), named by the keyword."""
+    check_value("epsilon", eps_low, "eps_low")
+    check_value("epsilon_high", eps_high, "eps_high")
+    check_value("importance_sampling_level", level)
+    if loss != "clip" and loss not in SURROGATES:
+        raise ValueError(f"loss={loss!r} is not one of {['clip', *SURROGATES]}")
+    check_value("delta", delta)
+    check_value("dual_clip", dual_clip)
+    if loss != "clip" and (delta is not None or dual_clip is not None):
+        raise ValueError(f"delta and dual_clip bound the clipped surrogate; {loss} has none")
+
+
+def _check_surrogate_options(loss: str, options: dict) -> None:
+    allowed = SURROGATES[loss].options if loss in SURROGATES else ()
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"loss={loss!r} takes no options {unknown}; its own: {list(allowed)}")
 
 
 def _check_advantage_options(scale: str, std: str, estimator: str) -> None:
-    for name, value, valid in (
-        ("scale", scale, ADVANTAGE_SCALES),
-        ("std", std, ADVANTAGE_STDS),
-        ("estimator", estimator, ADVANTAGE_ESTIMATORS),
-    ):
-        if value not in valid:
-            raise ValueError(f"{name}={value!r} is not one of {list(valid)}")
+    check_value("scale_rewards", scale, "scale")
+    check_value("advantage_std", std, "std")
+    check_value("advantage_estimator", estimator, "estimator")
 
 
-def _check_policy_options(level: str, loss: str, delta, dual_clip) -> None:
-    if level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"importance_sampling_level={level!r} is not one of {list(IMPORTANCE_SAMPLING_LEVELS)}"
-        )
-    if loss not in SURROGATES:
-        raise ValueError(f"loss={loss!r} is not one of {list(SURROGATES)}")
-    if delta is not None and not delta > 1:
-        raise ValueError(f"delta must be > 1 (e.g. 1 + epsilon_high + 1) or None, got {delta}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be > 1 (verl: 3.0) or None, got {dual_clip}")
-    if loss == "cispo" and (delta is not None or dual_clip is not None):
-        raise ValueError("delta and dual_clip bound the clipped surrogate; CISPO has none")
+__all__ = [
+    "AGGREGATIONS",
+    "CONVENTION_KWARGS",
+    "CORE_FUNCTIONS",
+    "KL_ESTIMATORS",
+    "LOSS_OPTION_DEFAULTS",
+    "LOSS_TYPES",
+    "LOSS_TYPE_ALIASES",
+    "MENU_FUNCTIONS",
+    "PROFILES",
+    "PROFILE_SOURCES",
+    "TIS_MODES",
+    "WHITEN_EPS",
+    "CoreFunctions",
+    "Objective",
+    "accepted_kwargs",
+    "aggregate",
+    "aggregation",
+    "group_advantages",
+    "grpo_loss",
+    "importance_ratio",
+    "informative_groups",
+    "kl_estimate",
+    "kl_k3",
+    "masked_mean",
+    "micro_batch_scale",
+    "normaliser_count",
+    "objective_card",
+    "policy_loss",
+    "position_ids",
+    "rows_without_gradient",
+    "sequence_logprobs",
+    "tis_weights",
+    "token_entropy",
+    "truncation_mask",
+    "whiten",
+]

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grpolab.checks import HINTS, CheckResult
 from grpolab.tasks.base import Task
 
 COVERAGE_ROWS = 20_000  # rows read per split: a sampled arithmetic task holds 100,000
@@ -76,10 +75,11 @@ def prompt_texts(prompt: Any) -> list[str]:
     return [str(prompt)]
 
 
-def check_tokenizer_coverage(
+def coverage_measurement(
     task: Task, tokenizer, system_prompt: str | None = None, limit: int = COVERAGE_ROWS
-) -> CheckResult:
-    """tokenizer.coverage: every prompt and reference answer of `task` round-trips."""
+) -> tuple[str, int, str, bool]:
+    """(what, measured, expected, passed) of tokenizer.coverage (grpolab.checks.rewards):
+    every prompt and reference answer of `task` round-trips."""
     splits = (("train", task.train), ("eval", task.eval))
     rows = [
         (f"{split} row {i}", e)
@@ -107,15 +107,7 @@ def check_tokenizer_coverage(
     )
     if failed:
         what = f"{what}; {_failure(failed)}"
-    return CheckResult(
-        "tokenizer.coverage",
-        0,
-        what,
-        len(failed),
-        f"0 of {n_rows}",
-        not failed,
-        HINTS.get("tokenizer.coverage", ""),
-    )
+    return what, len(failed), f"0 of {n_rows}", not failed
 
 
 def _failure(failed: dict[str, list[tuple[str, RoundTrip]]]) -> str:

@@ -199,7 +199,7 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
     layers = getattr(getattr(model, "model", model), "layers", None)
     if layers is None:
         raise ValueError(
-            f"trainer.distributed=fsdp: {type(model).__name__} has no .model.layers to shard"
+            f"parallel.strategy=fsdp: {type(model).__name__} has no .model.layers to shard"
         )
     for layer in layers:
         fully_shard(layer)

@@ -30,7 +30,7 @@ def core_functions(
     `logprobs` choosing grpolab's log-prob path ("fused": the chunked lm-head, each group's
     prompt run once when `shared_prefix`; "naive": the full-logits `core.sequence_logprobs`)."""
     if logprobs not in LOGPROB_PATHS:
-        raise ValueError(f"trainer.logprobs={logprobs!r} is not one of {list(LOGPROB_PATHS)}")
+        raise ValueError(f"runtime.logprobs={logprobs!r} is not one of {list(LOGPROB_PATHS)}")
     table = CoreFunctions()
     if logprobs == "fused":
 

@@ -14,26 +14,26 @@ from grpolab.models import base_model
 
 
 def lora_config(cfg):
-    """peft's LoraConfig for trainer.lora_*: the adapters grpolab trains (and what a peer
+    """peft's LoraConfig for the `lora` section: the adapters grpolab trains (and what a peer
     trainer is given to train the same ones)."""
-    t = cfg.trainer
+    t = cfg.lora
     try:
         from peft import LoraConfig
     except ImportError as e:
         raise ImportError(
-            f"trainer.lora_r={t.lora_r} needs peft: pip install 'grpolab[lora]'"
+            f"lora.r={t.r} needs peft: pip install 'grpolab[lora]'"
         ) from e
     return LoraConfig(
-        r=t.lora_r,
-        lora_alpha=t.lora_alpha,
-        lora_dropout=t.lora_dropout,
-        target_modules=list(t.lora_target_modules),
+        r=t.r,
+        lora_alpha=t.alpha,
+        lora_dropout=t.dropout,
+        target_modules=list(t.target_modules),
         task_type="CAUSAL_LM",
     )
 
 
 def wrap_lora(model: torch.nn.Module, cfg) -> torch.nn.Module:
-    """`model` with LoRA adapters on trainer.lora_target_modules; only they are trainable."""
+    """`model` with LoRA adapters on lora.target_modules; only they are trainable."""
     from peft import get_peft_model
 
     return get_peft_model(model, lora_config(cfg))
@@ -47,7 +47,7 @@ def load_lora_adapter(model: torch.nn.Module, checkpoint_dir: Path, adapter_dir:
     if not adapter.is_dir():
         raise ValueError(
             f"--resume {str(checkpoint_dir)!r}: no {adapter_dir}/ there (a full fine-tuning "
-            "checkpoint); resume it with trainer.lora_r=0"
+            "checkpoint); resume it with lora.r=0"
         )
     result = set_peft_model_state_dict(model, load_peft_weights(str(adapter)))
     if result.unexpected_keys:

@@ -3,8 +3,8 @@ non-finite guard's streak.
 
 Each monitor reads one quantity from a step's metrics and, when it leaves its normal range,
 returns a warning that names the quantity, the value, the step and the range. The loop
-prints them, records them in metrics.jsonl and, with `trainer.monitor: stop`, stops the run.
-A run of `trainer.max_consecutive_nonfinite` skipped steps stops it too, with a replay
+prints them, records them in metrics.jsonl and, with `monitors.action: stop`, stops the run.
+A run of `monitors.max_consecutive_nonfinite` skipped steps stops it too, with a replay
 capsule of the last batch. `RewardDivergence` watches a trend rather than a step: the
 training reward running ahead of the strict accuracy, the signature of a gamed reward.
 """
@@ -25,7 +25,7 @@ from grpolab.step import StepBatch, logprobs_in_chunks
 
 
 class MonitorStop(RuntimeError):
-    """A monitored quantity left its normal range and trainer.monitor is "stop"."""
+    """A monitored quantity left its normal range and monitors.action is "stop"."""
 
 
 class NonFiniteError(RuntimeError):
@@ -57,7 +57,7 @@ class MonitorLimits:
     divergence_window: int = 8
 
 
-# Under trainer.precision=bf16 the engine and the loss forward are two bf16 computations of
+# Under runtime.precision=bf16 the engine and the loss forward are two bf16 computations of
 # the same weights (a KV-cache decode over LoRA-merged copies, a chunked lm-head over the
 # adapters), each rounded its own way. The largest gap over a step's ~900 sampled tokens is
 # a tail of those roundings: on SmolLM2-135M its median was 0.25 nats, and it reached 1.24 and
@@ -72,17 +72,18 @@ BF16_ENGINE_GAP = 2.0
 BF16_ENGINE_GAP_MEAN = 0.1
 
 
-def limits_for(trainer_cfg, model_dtype: str, precision: Precision) -> MonitorLimits:
-    """The limits for a run: the engine gap a float32 stack keeps is far below a bf16 one's."""
+def limits_for(monitors, model_dtype: str, precision: Precision) -> MonitorLimits:
+    """The limits for a run (`monitors`: its config section): the engine gap a float32 stack
+    keeps is far below a bf16 one's."""
     float32_stack = 1e-3 if model_dtype == "float32" else 5e-2
     engine_gap = BF16_ENGINE_GAP if precision.bf16 else float32_stack
     return MonitorLimits(
         engine_gap=engine_gap,
         engine_gap_watched=math.inf if precision.bf16 else float32_stack,
         engine_gap_mean=BF16_ENGINE_GAP_MEAN if precision.bf16 else math.inf,
-        clip_frac_max=trainer_cfg.monitor_clip_frac_max,
-        zero_std_max=trainer_cfg.monitor_zero_std_max,
-        reward_strict_gap=trainer_cfg.monitor_reward_strict_gap,
+        clip_frac_max=monitors.clip_frac_max,
+        zero_std_max=monitors.zero_std_max,
+        reward_strict_gap=monitors.reward_strict_gap,
     )
 
 

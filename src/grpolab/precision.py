@@ -1,6 +1,6 @@
 """The training and rollout precision: fp32, or bf16 matmuls over float32 master weights.
 
-`trainer.precision`:
+`runtime.precision`:
     fp32  every forward, backward and sample in float32 (the model's dtype)
     bf16  the training forwards' matmuls (loss, old and reference log-probs) in bfloat16
           under autocast; weights, gradients, AdamW state and every log-softmax stay float32.
@@ -36,7 +36,7 @@ class Precision:
         return self.name == "bf16"
 
 
-FP32 = Precision("fp32", "trainer.precision=fp32")
+FP32 = Precision("fp32", "runtime.precision=fp32")
 
 
 def bf16_matrix_units(device: torch.device) -> tuple[bool, str]:
@@ -60,11 +60,11 @@ def _cpu_has(probe: str) -> bool:
 
 
 def resolve_precision(setting: str, device: torch.device) -> Precision:
-    """What trainer.precision=`setting` runs on `device`, and why."""
+    """What runtime.precision=`setting` runs on `device`, and why."""
     if setting == "fp32":
         return FP32
     if setting == "bf16":
-        return Precision("bf16", "trainer.precision=bf16")
+        return Precision("bf16", "runtime.precision=bf16")
     native, found = bf16_matrix_units(device)
     return Precision("bf16" if native else "fp32", f"auto: {found}")
 

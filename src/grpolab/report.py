@@ -266,7 +266,7 @@ def sample_completions(
 def sample_lines(samples: list[tuple[int, str, list[dict[str, Any]]]]) -> list[str]:
     lines = ["## Sample completions", ""]
     if not samples:
-        return [*lines, "No completions were logged (trainer.log_completions_steps=0)."]
+        return [*lines, "No completions were logged (logging.log_completions_steps=0)."]
     lines += [
         "The training reward beside the strict check (the final answer, as written, is exactly "
         "the reference). A reward that pays where the strict check says no is being gamed.",

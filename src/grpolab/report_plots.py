@@ -67,7 +67,7 @@ FIGURES = (
                 "accuracy, %",
                 (("eval_accuracy", "accuracy"), ("eval_strict_accuracy", "strict accuracy")),
                 points=True,
-                missing="no held-out evaluation: none in metrics.jsonl (trainer.eval_steps) and "
+                missing="no held-out evaluation: none in metrics.jsonl (eval.eval_steps) and "
                 "no summary.json (written when a run finishes)",
             ),
         ),
@@ -178,9 +178,11 @@ def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]
 def constant_reasons(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, str]:
     """Why a metric may not move, for the note beside it (read from the run's config and its
     other metrics, never assumed)."""
-    trainer = config.get("trainer") if isinstance(config.get("trainer"), dict) else {}
+    # objective.beta (trainer.beta in a run written before the config's sections)
+    sections = [config.get(name) for name in ("objective", "trainer")]
+    beta = next((s["beta"] for s in sections if isinstance(s, dict) and "beta" in s), None)
     reasons = {}
-    if trainer.get("beta") == 0:
+    if beta == 0:
         reasons["kl"] = "KL off: beta = 0"
     _, ratios = series(rows, "ratio_mean")
     if ratios and set(ratios) == {1.0}:

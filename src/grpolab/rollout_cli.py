@@ -59,7 +59,7 @@ def run_rollout(
     from grpolab.tasks import load_task
 
     cfg = load_config(config, overrides)
-    G = cfg.trainer.num_generations
+    G = cfg.batch.num_generations
     if n_prompts < 1:
         raise ValueError(f"--n-prompts={n_prompts}: expected an integer >= 1")
     task = load_task(cfg.task)
@@ -67,8 +67,8 @@ def run_rollout(
     rewards = load_rewards(
         cfg.rewards, task=task, max_completion_length=cfg.rollout.max_completion_length
     )
-    if cfg.trainer.num_threads:
-        torch.set_num_threads(cfg.trainer.num_threads)
+    if cfg.runtime.num_threads:
+        torch.set_num_threads(cfg.runtime.num_threads)
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
     # A separate engine (vLLM) reads the model from where the trainer did (a GGUF model's
     # converted directory); the demo model is saved for it.

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from grpolab import core, seeds
 from grpolab import dist as dist_module
-from grpolab.config import Config, validate_world
-from grpolab.core import CoreFunctions
+from grpolab import objective, seeds
+from grpolab.config import Config, objective_of, validate_world
+from grpolab.core import CoreFunctions, Objective
 from grpolab.dist import Dist
 from grpolab.evaluate import accuracy_rewards
 from grpolab.functions import core_functions
@@ -44,20 +44,20 @@ class BatchPlan:
     step per `minibatch` rows, each minibatch accumulated over forwards of `micro` rows."""
 
     rows: int  # this rank's sequences per step: prompts_per_step / world * G
-    minibatch: int  # this rank's share of trainer.mini_batch_size (all rows when unset)
+    minibatch: int  # this rank's share of batch.mini_batch_size (all rows when unset)
     micro: int  # minibatch / gradient_accumulation_steps
     optimizer_steps: int  # per step: num_iterations * rows / minibatch
 
     @classmethod
     def of(cls, cfg: Config, world: int = 1) -> BatchPlan:
-        t = cfg.trainer
+        b = cfg.batch
         rows = cfg.batch_size // world
-        minibatch = (t.mini_batch_size or cfg.batch_size) // world
+        minibatch = (b.mini_batch_size or cfg.batch_size) // world
         return cls(
             rows=rows,
             minibatch=minibatch,
-            micro=minibatch // t.gradient_accumulation_steps,
-            optimizer_steps=t.num_iterations * (rows // minibatch),
+            micro=minibatch // b.gradient_accumulation_steps,
+            optimizer_steps=cfg.objective.num_iterations * (rows // minibatch),
         )
 
 
@@ -65,7 +65,7 @@ def old_logprobs_from_loss_forward(cfg: Config, plan: BatchPlan) -> bool:
     """One optimizer step per batch with the trainer's own log-probs: the policy cannot change
     before the loss forward, so that forward's detached log-probs are logp_old exactly, and
     no extra forward is needed."""
-    return plan.optimizer_steps == 1 and cfg.objective.on_policy
+    return plan.optimizer_steps == 1 and cfg.objective.logprob_source == "trainer"
 
 
 # --- The run ----------------------------------------------------------------------------------
@@ -76,6 +76,7 @@ class Run:
     """Everything the loop holds."""
 
     cfg: Config
+    objective: Objective  # built once from cfg (config.objective_of)
     model: torch.nn.Module
     tokenizer: Any
     ref_model: torch.nn.Module | None  # beta > 0 without LoRA: a frozen copy of the start
@@ -103,9 +104,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def run_precision(cfg: Config) -> Precision:
-    """What trainer.precision runs on the configured device (auto: bf16 where it has bf16
+    """What runtime.precision runs on the configured device (auto: bf16 where it has bf16
     matrix units), and why: one answer for the trainer, the preflight and the monitors."""
-    return resolve_precision(cfg.trainer.precision, resolve_device(cfg.model.device))
+    return resolve_precision(cfg.runtime.precision, resolve_device(cfg.model.device))
 
 
 def model_source(cfg: Config) -> str:
@@ -146,32 +147,35 @@ def build_run(
     """Task, rewards, engine, reference copy, optimizer and LR schedule around `model`;
     under data parallel the model is sharded (fsdp) or made equal on every rank (ddp) first.
     `functions`: the core functions to train with (default: grpolab's, as configured)."""
-    t = cfg.trainer
-    functions = functions or core_functions(t.logprobs, t.shared_prefix)
-    check_functions_support(functions, cfg)
+    functions = functions or core_functions(cfg.runtime.logprobs, cfg.runtime.shared_prefix)
+    o = objective_of(cfg)  # the objective, built once for the run
+    check_functions_support(functions, o)
     d = dist or Dist()
     if d.on:
         validate_world(cfg, d.world)
     model, ref_model = prepare_model(model, cfg, d)
+    device = device or next(model.parameters()).device
     plan = BatchPlan.of(cfg, d.world)
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    opt = cfg.optim
     optimizer = torch.optim.AdamW(
         trained,
-        lr=t.learning_rate,
-        betas=(t.adam_beta1, t.adam_beta2),
-        weight_decay=t.weight_decay,
+        lr=opt.learning_rate,
+        betas=(opt.adam_beta1, opt.adam_beta2),
+        weight_decay=opt.weight_decay,
         fused=fused_adamw_ok(trained) or None,
     )
     forget_casts_on_step(optimizer)  # bf16: the trained weights' copies are stale after it
     total_updates = cfg.max_steps * plan.optimizer_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(t.lr_scheduler, t.warmup_steps, total_updates)
+        optimizer, lr_lambda(cfg.schedule.lr_scheduler, cfg.schedule.warmup_steps, total_updates)
     )
     engine = task_engine(cfg, model, tokenizer)
     task = load_task(cfg.task)  # its answer kind is the accuracy's judge
     check_context_fits(cfg, engine, task)
     return Run(
         cfg=cfg,
+        objective=o,
         model=model,
         tokenizer=tokenizer,
         ref_model=ref_model,
@@ -185,12 +189,12 @@ def build_run(
         scheduler=scheduler,
         prompt_generator=seeds.prompt_order(cfg.seed),
         functions=functions,
-        device=device or next(model.parameters()).device,
+        device=device,
         plan=plan,
         dist=d,
-        precision=resolve_precision(t.precision, device or next(model.parameters()).device),
+        precision=resolve_precision(cfg.runtime.precision, device),
         reducer=(
-            dist_module.GradientReducer(trained, t.ddp_bucket_mb)
+            dist_module.GradientReducer(trained, cfg.parallel.ddp_bucket_mb)
             if d.on and d.mode == "ddp"
             else None
         ),
@@ -203,15 +207,14 @@ def prepare_model(
     """(the policy to train, the reference policy's own copy or None): LoRA adapters, a
     frozen reference copy when beta > 0 (LoRA needs none: its base is the reference),
     gradient checkpointing, compiled layer parts, then FSDP2 shards or DDP-equal replicas."""
-    t = cfg.trainer
     ref_model = None
-    if t.lora_r > 0:
+    if cfg.lora.r > 0:
         model = wrap_lora(model, cfg)
-    elif t.beta > 0:
+    elif cfg.objective.beta > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    if t.gradient_checkpointing:
+    if cfg.runtime.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if t.torch_compile:  # before sharding: fully_shard wraps the compiled layers
+    if cfg.runtime.torch_compile:  # before sharding: fully_shard wraps the compiled layers
         compile_decoder_layers(model)
     if d.on and d.mode == "fsdp":
         model = dist_module.shard(model)
@@ -233,7 +236,7 @@ def task_engine(cfg: Config, model: torch.nn.Module, tokenizer, model_path: str 
         chat_template=cfg.task.chat_template,
         system_prompt=cfg.task.system_prompt,
         model_path=model_path,
-        precision=resolve_precision(cfg.trainer.precision, next(model.parameters()).device),
+        precision=resolve_precision(cfg.runtime.precision, next(model.parameters()).device),
     )
 
 
@@ -241,16 +244,16 @@ def check_context_fits(cfg: Config, engine, task: Task) -> None:
     """At load, not at the first rollout: the longest prompt with the tokens sampled after it
     (training: max_completion_length, an episode's budget; evaluation: its own length) must
     fit the engine's context, or a one-line error names the key, the prompt and the context."""
-    r, t = cfg.rollout, cfg.trainer
+    r, e = cfg.rollout, cfg.eval
     if r.episodic:
         train_key = "rollout.max_episode_tokens" + ("" if r.max_episode_tokens else " (default)")
     else:
         train_key = "rollout.max_completion_length"
-    eval_key = "trainer.eval_max_completion_length"
-    if t.eval_max_completion_length is None:
+    eval_key = "eval.eval_max_completion_length"
+    if e.eval_max_completion_length is None:
         eval_key = "rollout.max_completion_length"
-    eval_length = t.eval_max_completion_length or r.max_completion_length
-    held_out = task.eval[: t.eval_examples]
+    eval_length = e.eval_max_completion_length or r.max_completion_length
+    held_out = task.eval[: e.eval_examples]
     for key, room, rows, kind in (
         (train_key, r.episode_budget(), task.train, "train"),
         (eval_key, eval_length, held_out, "held-out"),
@@ -269,43 +272,26 @@ def check_context_fits(cfg: Config, engine, task: Task) -> None:
         )
 
 
-def check_functions_support(functions: CoreFunctions, cfg: Config) -> None:
+def check_functions_support(functions: CoreFunctions, o: Objective) -> None:
     """Options that need more than the six functions' basic signatures from a user's file:
-    each keyword the configured objective passes (beyond the conventions a function may
+    each keyword the declared objective `o` passes (beyond the conventions a function may
     compute as written, which the preflight checks) must be one the function takes."""
-    o = cfg.objective
-    needs = {
-        "grpo_loss": [k for k in o.loss_kwargs() if k not in core.CONVENTION_KWARGS],
-        "group_advantages": [k for k in o.advantage_kwargs() if k not in core.CONVENTION_KWARGS],
-    }
-    if cfg.trainer.tis_cap is not None:
-        needs["grpo_loss"].append("token_weights")
-        if o.tis_mode != "token_truncate":
-            needs["tis_weights"] = ["mode"]
-    if o.entropy_coef:
-        needs["grpo_loss"].append("entropy")
-    for name, keys in needs.items():
-        fn, source = getattr(functions, name), functions.source.get(name, "grpolab")
+    for need in objective.required_keywords(o):
+        fn = getattr(functions, need.function)
+        source = functions.source.get(need.function, "grpolab")
         params = inspect.signature(fn).parameters
-        if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        if need.keyword in params or any(
+            p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()
+        ):
             continue
-        missing = [k for k in keys if k not in params]
-        if missing:
-            key = {
-                "token_weights": "tis_cap",
-                "estimator": "advantage_estimator",
-                "mode": "tis_mode",
-                "entropy": "entropy_coef",
-            }.get(missing[0], missing[0])
-            value = getattr(cfg.trainer, key, None)
-            raise ValueError(
-                f"trainer.{key}={value} needs a {name} that takes {', '.join(missing)}; the one "
-                f"from {source} does not"
-            )
-    if o.surrogate == "cispo" and functions.source.get("grpo_loss", "grpolab") != "grpolab":
         raise ValueError(
-            "trainer.loss_type=cispo is computed by grpolab's grpo_loss (its loss_agg picks the "
-            f"surrogate); the grpo_loss from {functions.source['grpo_loss']} would aggregate "
+            f"objective.{need.key}={getattr(o, need.key)} needs a {need.function} that takes "
+            f"{need.keyword}; the one from {source} does not"
+        )
+    why = objective.surrogate_needs_grpolab(o)
+    if why and functions.source.get("grpo_loss", "grpolab") != "grpolab":
+        raise ValueError(
+            f"objective.{why}; the grpo_loss from {functions.source['grpo_loss']} would aggregate "
             "the clipped surrogate instead"
         )
 
@@ -357,7 +343,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
                 parts.append(child)
     if not parts:
         raise ValueError(
-            f"trainer.torch_compile=true: {type(model).__name__} has no transformers decoder "
+            f"runtime.torch_compile=true: {type(model).__name__} has no transformers decoder "
             "layer parts (GradientCheckpointingLayer children taking one tensor) to compile"
         )
     for part in parts:

@@ -143,8 +143,8 @@ def collect(run: Run, step: int) -> StepBatch:
     """Prompts -> G samples each (eval mode, no grad, a per-step seed: a resumed run samples
     the same) -> rewards -> advantages over the global batch. Under dynamic sampling, more
     rounds of prompts until the batch holds prompts_per_step informative groups."""
-    cfg, d, o = run.cfg, run.dist, run.cfg.objective
-    G = cfg.trainer.num_generations
+    cfg, d, o = run.cfg, run.dist, run.objective
+    G = cfg.batch.num_generations
     timings: dict[str, float] = {}
     run.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: not held meanwhile
     examples, rollout, scores = sample_and_score(run, step, 0, timings)
@@ -223,21 +223,21 @@ def sample_and_score(
     """One round of prompts_per_step prompts, sampled and scored (round 0: the step's own
     seed; later rounds of dynamic sampling draw further prompts with seeds of their own)."""
     cfg, d = run.cfg, run.dist
-    G = cfg.trainer.num_generations
+    G = cfg.batch.num_generations
     tic = time.perf_counter()
     # Every rank draws the same global prompts and keeps its slice of whole groups.
-    drawn = run.task.sample(cfg.trainer.prompts_per_step, run.prompt_generator)
+    drawn = run.task.sample(cfg.batch.prompts_per_step, run.prompt_generator)
     examples = drawn[dist_module.rank_slice(len(drawn), d)]
-    if d.on and cfg.trainer.rollout_split == "replicated":
+    if d.on and cfg.parallel.rollout_split == "replicated":
         params = cfg.rollout.sampling(seeds.rollout_seed(cfg.seed, step, round_=round_))
         rollout = run.engine.generate([e.prompt for e in drawn], G, params)
         rollout = rollout.rows(dist_module.rank_slice(rollout.batch_size, d))
     else:
         params = cfg.rollout.sampling(seeds.rollout_seed(cfg.seed, step, d.rank, round_))
         rollout = run.engine.generate([e.prompt for e in examples], G, params)
-    if cfg.trainer.tis_cap is not None and rollout.engine_logprobs is None:
+    if cfg.objective.tis_cap is not None and rollout.engine_logprobs is None:
         raise ValueError(
-            "trainer.tis_cap needs the engine's log-probs; this engine returned none (vLLM "
+            "objective.tis_cap needs the engine's log-probs; this engine returned none (vLLM "
             "with top_k / top_p)"
         )
     timings["time/rollout"] = timings.get("time/rollout", 0.0) + time.perf_counter() - tic
@@ -252,8 +252,8 @@ def keep_informative(run: Run, step: int, first, timings: dict[str, float]):
     sampling further rounds until prompts_per_step are kept or the extra rounds run out;
     then the dropped groups fill what is missing, with loss_rows 0 (out of the loss and its
     normaliser). Returns (examples, rollout, scores, loss_rows [B], counts for the metrics)."""
-    cfg, o = run.cfg, run.cfg.objective
-    G, need = cfg.trainer.num_generations, cfg.trainer.prompts_per_step
+    cfg, o = run.cfg, run.objective
+    G, need = cfg.batch.num_generations, cfg.batch.prompts_per_step
     kept: list[tuple[Example, Rollout]] = []
     dropped: list[tuple[Example, Rollout]] = []
     rounds, generated = [first], 0
@@ -322,15 +322,15 @@ def logprobs_before_update(
     detached log-probs are it (one optimizer step per batch). logp_ref: when beta > 0."""
     cfg = run.cfg
     logp_old = None
-    if cfg.trainer.logprob_source == "engine":
+    if cfg.objective.logprob_source == "engine":
         if batch.engine_logprobs is None:
-            raise ValueError("trainer.logprob_source=engine but the engine returned no log-probs")
+            raise ValueError("objective.logprob_source=engine but the engine returned no log-probs")
         logp_old = batch.engine_logprobs
     elif not old_logprobs_from_loss_forward(cfg, run.plan):
         with autocast(run.precision, run.device):  # the loss forward's precision
             logp_old = logprobs_in_chunks(run, run.model, batch)
     logp_ref = None
-    if cfg.trainer.beta > 0:
+    if cfg.objective.beta > 0:
         with autocast(run.precision, run.device):
             logp_ref = reference_logprobs(run, batch)
     return logp_old, logp_ref
@@ -372,7 +372,7 @@ def update(run: Run, batch: StepBatch) -> UpdateStats:
     cfg, plan, stats = run.cfg, run.plan, UpdateStats()
     run.model.train()
     order_generator = seeds.minibatch_order(cfg.seed, batch.step, run.dist.rank)
-    for epoch in range(cfg.trainer.num_iterations):
+    for epoch in range(cfg.objective.num_iterations):
         if plan.minibatch < batch.rows:
             order = torch.randperm(batch.rows, generator=order_generator)
         else:
@@ -397,7 +397,7 @@ def optimizer_step(
         minibatch_mask = minibatch_mask * batch.loss_rows[rows, None]
     # The normaliser is global: the same count on every rank, so the ranks' summed gradients
     # are the single-process gradient of the global minibatch.
-    count = dist_module.all_sum(core.normaliser_count(cfg.trainer.loss_type, minibatch_mask), d)
+    count = dist_module.all_sum(core.normaliser_count(run.objective.loss_type, minibatch_mask), d)
     run.optimizer.zero_grad(set_to_none=True)
     loss_total, nonfinite, ran = 0.0, None, False
     for m_start in range(0, plan.minibatch, plan.micro):
@@ -427,8 +427,8 @@ def optimizer_step(
     nonfinite = nonfinite or first_nonfinite({"gradient": norm})
     if dist_module.any_rank(nonfinite is not None, d):
         nonfinite = nonfinite or "a non-finite value on another rank"
-    if nonfinite is None and cfg.trainer.max_grad_norm > 0:
-        dist_module.clip_gradients(params, norm, cfg.trainer.max_grad_norm, d)
+    if nonfinite is None and cfg.optim.max_grad_norm > 0:
+        dist_module.clip_gradients(params, norm, cfg.optim.max_grad_norm, d)
     if nonfinite is not None:
         run.optimizer.zero_grad(set_to_none=True)
         stats.skipped += 1
@@ -451,7 +451,7 @@ def micro_step(
 ) -> tuple[torch.Tensor, str | None]:
     """The loss of micro-batch `rows` scaled to its share of the minibatch's loss, and the
     first non-finite input or loss value (None when all are finite). Records its metrics."""
-    cfg, fns, o = run.cfg, run.functions, run.cfg.objective
+    cfg, fns, o = run.cfg, run.functions, run.objective
     with_entropy = _takes(fns.sequence_logprobs, "return_entropy")
     with autocast(run.precision, run.device):  # the forward only; backward outside
         logp, mask, *entropy = fns.sequence_logprobs(
@@ -476,7 +476,7 @@ def micro_step(
             stats.engine_gap_sum += float(gap.sum())
             stats.engine_gap_tokens += float(mask.bool().sum())
     kwargs = core.accepted_kwargs(fns.grpo_loss, o.loss_kwargs())
-    if cfg.trainer.tis_cap is not None:
+    if cfg.objective.tis_cap is not None:
         kwargs["token_weights"] = engine_weights(run, old, engine, mask, stats)
     if entropy and _takes(fns.grpo_loss, "entropy"):
         kwargs["entropy"] = entropy[0]
@@ -485,7 +485,7 @@ def micro_step(
     problem = first_nonfinite(
         {"logp_old": given_old, "logp_ref": ref, "logp_new": logp.detach()}, mask
     ) or first_nonfinite({"loss": loss.detach()})
-    scale = fns.micro_batch_scale(cfg.trainer.loss_type, mask, minibatch_mask, minibatch_count)
+    scale = fns.micro_batch_scale(o.loss_type, mask, minibatch_mask, minibatch_count)
     tokens = float(mask.sum())
     stats.tokens += tokens
     for key, value in loss_metrics.items():
@@ -496,7 +496,7 @@ def micro_step(
 def engine_weights(run: Run, old, engine, mask, stats: UpdateStats) -> torch.Tensor:
     """The importance weights against the engine's log-probs (tis_mode), [b, T-1], and their
     statistics: the mean weight and the share of tokens capped (truncate) or dropped (mask)."""
-    o = run.cfg.objective
+    o = run.objective
     mode = {} if o.tis_mode == "token_truncate" else {"mode": o.tis_mode}
     weights = run.functions.tis_weights(old, engine, mask, o.tis_cap, **mode)
     hit = (weights >= o.tis_cap) if o.tis_mode.endswith("truncate") else (weights == 0)
@@ -582,7 +582,7 @@ def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, An
         metrics["monitor/engine_gap_mean"] = stats.engine_gap_sum / max(
             stats.engine_gap_tokens, 1.0
         )
-    if run.cfg.trainer.tis_cap is not None:
+    if run.objective.tis_cap is not None:
         metrics["tis/weight_mean"] = stats.tis_weight / max(stats.tis_tokens, 1.0)
         metrics["tis/capped_frac"] = stats.tis_capped / max(stats.tis_tokens, 1.0)
     metrics |= batch.sampling

@@ -163,7 +163,7 @@ def _require(name: str):
         return importlib.import_module(name)
     except ImportError:
         raise ValueError(
-            f"trainer.report_to lists {name!r} but {name} is not installed (pip install {name})"
+            f"logging.report_to lists {name!r} but {name} is not installed (pip install {name})"
         ) from None
 
 

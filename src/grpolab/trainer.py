@@ -36,7 +36,7 @@ from grpolab.checkpoint import (
     save_run,
     set_aside,
 )
-from grpolab.config import Config, load_notes, to_dict, to_yaml
+from grpolab.config import Config, load_notes, replaced, to_dict, to_yaml
 from grpolab.core import CoreFunctions
 from grpolab.evaluate import accuracy_rewards, evaluate_greedy, evaluate_pass_at_k
 from grpolab.memory import fix_malloc_thresholds, release_freed_memory
@@ -71,7 +71,7 @@ class Interrupted(RuntimeError):
 
 
 class RewardsFailing(RuntimeError):
-    """A reward function failed on every sample of trainer.max_consecutive_reward_failures
+    """A reward function failed on every sample of monitors.max_consecutive_reward_failures
     steps in a row: the run stopped with a checkpoint; the message names it and its error."""
 
 
@@ -159,17 +159,17 @@ def start(
     console = console or wide_console()
     transformers.utils.logging.disable_progress_bar()
     fix_malloc_thresholds()  # big buffers reused from the heap, not faulted in each time
-    if cfg.trainer.num_threads:
-        torch.set_num_threads(cfg.trainer.num_threads)
+    if cfg.runtime.num_threads:
+        torch.set_num_threads(cfg.runtime.num_threads)
     device = dist_module.local_device(resolve_device(cfg.model.device))
     # Under torchrun: one process per rank; only rank 0 writes the run directory (the others
     # log to a scratch directory), and every rank runs the same loop.
-    d = dist_module.init(cfg.trainer.distributed, device)
+    d = dist_module.init(cfg.parallel.strategy, device)
     if not d.main:
         console = Console(quiet=True)
-    cfg.output_dir = cfg.output_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))
+    named = cfg.output_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))
     # Every rank names rank 0's directory ({time} may differ between processes).
-    cfg.output_dir = dist_module.all_gather_objects(cfg.output_dir, d)[0]
+    cfg = replaced(cfg, {"output_dir": dist_module.all_gather_objects(named, d)[0]})
     run_dir = Path(cfg.output_dir)
     check_output_dir(run_dir, bool(resume), overwrite)
     resume_dir, damaged = None, []
@@ -226,7 +226,7 @@ def gate(session: Session, skip_preflight: bool, stage: Stage | None = None) -> 
     stage = stage or Stage()
     run, console = session.run, session.console
     cfg = run.cfg
-    card = core.objective_card(cfg.objective)
+    card = core.objective_card(run.objective)
     if old_logprobs_from_loss_forward(cfg, run.plan):
         card += (
             "\n  (one optimizer step per batch: logp_old is the loss forward's own detached"
@@ -242,7 +242,7 @@ def gate(session: Session, skip_preflight: bool, stage: Stage | None = None) -> 
     sharded = dist_module.is_sharded(run.model)
     if sharded and not skip_preflight:  # its probes deep-copy the model, which FSDP2 refuses
         console.print(
-            "preflight: not run under trainer.distributed=fsdp; `grpolab preflight` with this "
+            "preflight: not run under parallel.strategy=fsdp; `grpolab preflight` with this "
             "config checks the same quantities on one process"
         )
     stage.doing = "running the preflight"
@@ -256,7 +256,7 @@ def gate(session: Session, skip_preflight: bool, stage: Stage | None = None) -> 
     session.progress.setdefault("eval_history", [])
     scale = reward_scale(run.task, run.rewards, run.tokenizer)  # wrong vs right total reward
     session.divergence = RewardDivergence(
-        limits_for(cfg.trainer, cfg.model.dtype, run.precision), scale
+        limits_for(cfg.monitors, cfg.model.dtype, run.precision), scale
     )
 
 
@@ -279,7 +279,7 @@ def commit(session: Session) -> None:
     for name, text in session.staged.items():
         (session.log_dir / name).write_text(text)
     session.tracker = Tracker(
-        session.log_dir, run.cfg.trainer.report_to, to_dict(run.cfg), console,
+        session.log_dir, run.cfg.logging.report_to, to_dict(run.cfg), console,
         resume_step=session.start_step,
     )  # fmt: skip
 
@@ -289,12 +289,12 @@ def commit(session: Session) -> None:
 
 def steps(session: Session) -> None:
     """grpo_step from the start step to max_steps, each watched, logged and (every
-    save_steps) checkpointed. Stops with a checkpoint on a monitor (trainer.monitor=stop),
+    save_steps) checkpointed. Stops with a checkpoint on a monitor (monitors.action=stop),
     on too many non-finite steps in a row, or on Ctrl-C / SIGTERM."""
     run, cfg = session.run, session.run.cfg
     session.step = session.start_step
     with (
-        progress_bar(session.console, cfg.trainer.progress) as bar,
+        progress_bar(session.console, cfg.logging.progress) as bar,
         StopRequests(bar.console) as stop,
     ):
         bar_task = bar.add_task("grpo", total=cfg.max_steps, completed=session.start_step, info="")
@@ -313,7 +313,7 @@ def steps(session: Session) -> None:
             record(session, step, metrics, batch)
             bar.update(bar_task, completed=step, info=f"reward {metrics['reward/mean']:.3f}")
             first = step == session.start_step + 1
-            if first or step % cfg.trainer.logging_steps == 0 or metrics["skipped"] or failing:
+            if first or step % cfg.logging.logging_steps == 0 or metrics["skipped"] or failing:
                 bar.console.print(session.tracker.console_line(step, cfg.max_steps, metrics))
             stop_if_unhealthy(session, step, warnings, batch)
             if dist_module.any_rank(stop.requested, run.dist):
@@ -323,7 +323,7 @@ def steps(session: Session) -> None:
                     f"stopped after step {step} ({stop.signal_name}); checkpoint {path}; "
                     f"continue with `grpolab train ... output_dir={session.run_dir} --resume`"
                 )
-            every = cfg.trainer.save_steps
+            every = cfg.checkpoints.save_steps
             if every and step % every == 0 and step < cfg.max_steps:
                 save(session, step)
 
@@ -331,13 +331,13 @@ def steps(session: Session) -> None:
 def watch(session: Session, step: int, metrics: dict, batch: StepBatch, console) -> list[str]:
     """The monitors' warnings for this step (printed, and kept in its metrics); the
     non-finite guard's counters."""
-    run, t = session.run, session.run.cfg.trainer
+    run, m = session.run, session.run.cfg.monitors
     count_nonfinite(run, metrics["skipped"])
     metrics["skipped_steps"] = run.skipped_steps
-    if t.monitor == "off":
+    if m.action == "off":
         return []
-    limits = limits_for(t, run.cfg.model.dtype, run.precision)
-    trainer_logp_old = t.logprob_source == "trainer"
+    limits = limits_for(m, run.cfg.model.dtype, run.precision)
+    trainer_logp_old = run.objective.on_policy
     watched = metrics | {"nonfinite": batch.nonfinite}
     warnings = check_step(step, watched, limits, trainer_logp_old)
     gaps, diverging = session.divergence.update(step, metrics)  # the reward running ahead
@@ -367,39 +367,40 @@ def count_reward_failures(session: Session, batch: StepBatch) -> list[str]:
 
 def record(session: Session, step: int, metrics: dict, batch: StepBatch) -> None:
     """Held-out accuracy every eval_steps, metrics.jsonl, sample completions."""
-    t = session.run.cfg.trainer
-    if t.eval_steps and step % t.eval_steps == 0 and step < session.run.cfg.max_steps:
+    cfg = session.run.cfg
+    if cfg.eval.eval_steps and step % cfg.eval.eval_steps == 0 and step < cfg.max_steps:
         accuracy, strict = held_out_accuracy(session, f"at step {step}")
         metrics["eval_accuracy"], metrics["eval_strict_accuracy"] = accuracy, strict
         session.progress["eval_history"].append([step, metrics["eval_accuracy"]])
     session.tracker.log(step, metrics)
-    if t.log_completions_steps and (step == 1 or step % t.log_completions_steps == 0):
-        session.tracker.log_completions(step, batch.samples(t.log_completions_count))
+    log = cfg.logging
+    if log.log_completions_steps and (step == 1 or step % log.log_completions_steps == 0):
+        session.tracker.log_completions(step, batch.samples(log.log_completions_count))
 
 
 def stop_if_unhealthy(session: Session, step: int, warnings: list[str], batch: StepBatch):
-    """trainer.monitor=stop with a warning, or max_consecutive_nonfinite skipped steps in a
+    """monitors.action=stop with a warning, or max_consecutive_nonfinite skipped steps in a
     row: save, write the replay capsule (non-finite), raise."""
-    run, t = session.run, session.run.cfg.trainer
-    if warnings and t.monitor == "stop":
+    run, m = session.run, session.run.cfg.monitors
+    if warnings and m.action == "stop":
         path = save(session, step)
         session.tracker.close()
         raise MonitorStop(
-            f"stopped at step {step} (trainer.monitor=stop): {warnings[0]}; checkpoint {path}"
+            f"stopped at step {step} (monitors.action=stop): {warnings[0]}; checkpoint {path}"
         )
     streaks = session.progress.get("reward_failure_streak", {})
-    failed = [name for name, n in streaks.items() if n >= t.max_consecutive_reward_failures]
+    failed = [name for name, n in streaks.items() if n >= m.max_consecutive_reward_failures]
     if failed:
         path = save(session, step)
         session.tracker.close()
         fn = next(fn for fn in run.rewards if fn.name == failed[0])
         raise RewardsFailing(
             f"stopped at step {step}: reward {fn.name!r} failed on every sample of the last "
-            f"{streaks[fn.name]} steps (trainer.max_consecutive_reward_failures="
-            f"{t.max_consecutive_reward_failures}); its last error: {fn.last_error}; "
+            f"{streaks[fn.name]} steps (monitors.max_consecutive_reward_failures="
+            f"{m.max_consecutive_reward_failures}); its last error: {fn.last_error}; "
             f"checkpoint {path}"
         )
-    if run.consecutive_nonfinite >= t.max_consecutive_nonfinite:
+    if run.consecutive_nonfinite >= m.max_consecutive_nonfinite:
         path = save(session, step)
         capsule = session.log_dir / "nonfinite-capsule.pt"
         write_capsule(capsule, run, batch, batch.nonfinite)
@@ -419,12 +420,12 @@ def save(session: Session, step: int) -> Path:
 
 def held_out_accuracy(session: Session, label: str) -> tuple[float | None, float | None]:
     """(accuracy, strict accuracy), greedy, in percent on the task's held-out problems (None
-    when there are none or trainer.eval_examples=0)."""
-    run, t = session.run, session.run.cfg.trainer
-    if t.eval_examples == 0 or not run.task.eval:
+    when there are none or eval.eval_examples=0)."""
+    run, e = session.run, session.run.cfg.eval
+    if e.eval_examples == 0 or not run.task.eval:
         return None, None
-    length = t.eval_max_completion_length or run.cfg.rollout.max_completion_length
-    examples = run.task.eval[: t.eval_examples]
+    length = e.eval_max_completion_length or run.cfg.rollout.max_completion_length
+    examples = run.task.eval[: e.eval_examples]
     run.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: not held meanwhile
     progress = EvalProgress(session.console, f"held-out accuracy {label}", len(examples))
     # Batches of a training rollout's size: no larger a KV cache than training needs.
@@ -497,7 +498,7 @@ def finish(session: Session) -> dict[str, Any]:
         "eval_history": session.progress["eval_history"],
         "wall_seconds": session.wall_seconds(),
         "checkpoint": str(checkpoint),
-        "eval_examples": min(cfg.trainer.eval_examples, len(run.task.eval)),
+        "eval_examples": min(cfg.eval.eval_examples, len(run.task.eval)),
         "config_changes": session.progress.get("config_changes", []),
     }
     (session.log_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -585,8 +586,8 @@ def run_eval(
     in batches of a training step's size, as the trainer evaluates."""
     console = console or wide_console()
     transformers.utils.logging.disable_progress_bar()
-    if cfg.trainer.num_threads:
-        torch.set_num_threads(cfg.trainer.num_threads)
+    if cfg.runtime.num_threads:
+        torch.set_num_threads(cfg.runtime.num_threads)
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
     task = load_task(cfg.task)
     held_out = task.eval[:examples] if examples else task.eval
@@ -598,7 +599,7 @@ def run_eval(
     check_context_fits(cfg, engine, task)
     console.print(task.describe_answers())
     accuracy = accuracy_rewards(cfg.rewards, task)
-    length = cfg.trainer.eval_max_completion_length or cfg.rollout.max_completion_length
+    length = cfg.eval.eval_max_completion_length or cfg.rollout.max_completion_length
     progress = EvalProgress(console, "accuracy (greedy)", len(held_out))
     greedy = evaluate_greedy(
         engine, held_out, accuracy, length, cfg.batch_size, task.answer_kind, progress

@@ -1,6 +1,6 @@
 """TRL 1.16's advantages as a TRL user writes them (GRPOTrainer, scale_rewards="group"):
 the sample std (Bessel, divide by G - 1) + 1e-4, no zero-std guard. Correct under
-trainer.profile=trl."""
+objective.profile=trl."""
 
 import torch
 

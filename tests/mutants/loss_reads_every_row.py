@@ -1,6 +1,6 @@
 """Bug (for skipping): a loss with a term that is not A x a function of the ratio, here a
 penalty on the log-ratio's square: a row whose advantage is 0 still has a gradient, so
-skipping it changes the update (the user's loss then needs trainer.skip_zero_advantage=false)."""
+skipping it changes the update (the user's loss then needs runtime.skip_zero_advantage=false)."""
 
 from grpolab import core
 

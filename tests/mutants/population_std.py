@@ -1,5 +1,5 @@
 """The seed's advantages (population std, divide by G, zero-std guard): correct under the seed
-profile, a wrong convention under trainer.profile=trl, which declares the sample std."""
+profile, a wrong convention under objective.profile=trl, which declares the sample std."""
 
 import torch
 

@@ -10,33 +10,19 @@ from collections.abc import Callable
 import torch
 
 from grpolab import core
-from grpolab.checks import CheckResult
+from grpolab.check import CheckResult
+from grpolab.checks.registry import seed_goal_ids
+from grpolab.checks.runner import blamed
 from grpolab.core import CoreFunctions
-
-# Within a goal, the check whose hint to give when no fingerprint matches: the most specific
-# failing one first.
-HINT_ORDER: dict[int, tuple[str, ...]] = {
-    1: ("logprobs.shift", "logprobs.float32", "logprobs.temperature"),
-    2: (
-        "advantages.zero_std_groups",
-        "advantages.population_std",
-        "advantages.contiguous",
-        "advantages.group_sums",
-    ),
-    3: ("ratio.initial",),
-    4: ("clip.values", "clip.gradient", "clip.asymmetric", "clip.clip_frac"),
-    5: ("kl.nonnegative", "kl.identical", "kl.tracks_exact"),
-    6: ("norm.aggregation", "norm.masked_gradient"),
-    7: ("loss.finite", "loss.sgd_direction", "loss.metrics"),
-}
 
 
 def first_failing(goal: int, results: list[CheckResult]) -> str | None:
-    failing = {r.id for r in results if not r.passed}
-    for check_id in HINT_ORDER[goal]:
-        if check_id in failing:
-            return check_id
-    return next((r.id for r in results if not r.passed), None)
+    """Within a goal, the check whose hint to give when no fingerprint matches: the likely
+    cause first (the checks' blame order) among the seed's checks, which the drill has hints
+    for."""
+    hinted = set(seed_goal_ids(goal))
+    failing = blamed(results)
+    return next((r.id for r in failing if r.id in hinted), failing[0].id if failing else None)
 
 
 def _close(a, b, tol: float = 1e-4) -> bool:

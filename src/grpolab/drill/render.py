@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpolab.checks import CheckResult
+from grpolab.check import CheckResult
 from grpolab.drill import hints as hints_mod
 from grpolab.drill.runner import FAIL, PASS, TODO, DrillReport, GoalResult
 from grpolab.drill.state import DrillState

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from grpolab import checks
-from grpolab.checks import CheckResult, PreflightBatch, PreflightSettings
+from grpolab.check import CheckResult
+from grpolab.checks.context import PreflightBatch, PreflightSettings
+from grpolab.checks.runner import blamed, run_checks
 from grpolab.core import CORE_FUNCTIONS, CoreFunctions
 from grpolab.drill.diagnose import first_failing, known_bugs
 from grpolab.functions import ImplLoadError, core_functions, impl_error_line, load_impl
@@ -271,7 +272,7 @@ class GoalResult:
     @property
     def headline(self) -> CheckResult | None:
         """The check to quote: the likely cause among the failing ones, else the first."""
-        return (checks.blamed(self.checks) or self.checks or [None])[0]
+        return (blamed(self.checks) or self.checks or [None])[0]
 
     def to_json(self) -> dict:
         return {
@@ -383,8 +384,8 @@ class Workbench:
             self.on_load()
         transformers.utils.logging.disable_progress_bar()
         cfg = load_config(None, self.overrides)
-        if cfg.trainer.num_threads:
-            torch.set_num_threads(cfg.trainer.num_threads)
+        if cfg.runtime.num_threads:
+            torch.set_num_threads(cfg.runtime.num_threads)
         model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
         self.run = build_run(cfg, model, tokenizer)
         batch, completions = sample_batch(self.run)
@@ -399,8 +400,8 @@ class Workbench:
 
     def functions(self, impl: CoreFunctions) -> CoreFunctions:
         """The learner's functions where written, the trainer's (as configured) elsewhere."""
-        t = self.run.cfg.trainer
-        return core_functions(t.logprobs, t.shared_prefix, impl)
+        runtime = self.run.cfg.runtime
+        return core_functions(runtime.logprobs, runtime.shared_prefix, impl)
 
     def check(self, path: str | Path) -> DrillReport:
         """Every check on the learner's file; never raises for anything in the learner's code."""
@@ -416,7 +417,7 @@ class Workbench:
         impl = self.functions(impl)
         problems = probe_contracts(impl, written, self.model, self.batch, self.settings)
         torch.manual_seed(self.settings.seed)
-        results = checks.run_checks(self.model, self.batch, self.settings, impl)
+        results = run_checks(self.model, self.batch, self.settings, impl)
         results = [_finite_measured(r) for r in results]
         goals = goal_results(results, written, problems)
         failing = {g for g, gr in goals.items() if gr.status == FAIL and not gr.problems}

@@ -8,12 +8,8 @@ from collections.abc import Callable
 import torch
 
 from grpolab import core
-from grpolab.checks import (
-    UNEQUAL_LENGTHS,
-    PreflightBatch,
-    PreflightSettings,
-    unequal_lengths_batch,
-)
+from grpolab.checks.context import PreflightBatch, PreflightSettings
+from grpolab.checks.normalisation import UNEQUAL_LENGTHS, unequal_lengths_batch
 from grpolab.core import CoreFunctions
 from grpolab.drill.texts import msg, show_text
 from grpolab.models import eval_mode

@@ -46,7 +46,7 @@ from grpolab.rollout.episodes import episode_metrics
 from grpolab.tasks.base import Example, Task, TaskConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class RewardsConfig:
     """The `rewards` config section (TRL: reward_funcs / reward_weights)."""
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from grpolab.precision import FP32, Precision
-from grpolab.rollout.base import Rollout, RolloutConfig, SamplingParams, Turn
+from grpolab.rollout.base import Rollout, SamplingParams, Turn
 from grpolab.rollout.common import SAMPLERS
+from grpolab.rollout.config import RolloutConfig
 from grpolab.rollout.engine import ENGINES, RolloutEngine, engine_class
 from grpolab.rollout.episodes import EpisodeFunctions, EpisodeSetup
 from grpolab.rollout.tools import environment_factory, load_tools

@@ -1,9 +1,9 @@
-"""What every rollout engine returns, and the interface the trainer calls."""
+"""What every rollout engine returns (`Rollout`, its `Turn`s) and is asked (`SamplingParams`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -82,67 +82,4 @@ class Rollout:
             engine_logprobs=None if self.engine_logprobs is None else self.engine_logprobs[rows],
             turns=None if self.turns is None else self.turns[rows],
             episode_rewards=None if self.episode_rewards is None else self.episode_rewards[rows],
-        )
-
-
-@dataclass
-class RolloutConfig:
-    """The `rollout` config section: which engine samples, and how."""
-
-    engine: str = "hf"  # hf (transformers generate on the training model) | vllm
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_completion_length: int = 32
-    # hf only: prefill each prompt once for its G samples (exact; off = one prefill per row).
-    shared_prefill: bool = True
-    # hf only: how each token is drawn from its distribution (the same distribution either
-    # way, different random numbers). multinomial: torch.multinomial, one exponential draw per
-    # vocabulary entry (~50 ms per decode step at 64 rows x 49k on a CPU), the samples of every
-    # run before inverse_cdf existed. inverse_cdf: one uniform per row against float64
-    # cumulative sums, in two levels (~1 ms).
-    sampler: str = "multinomial"
-    # vllm only: engine memory and context; the engine holds its own copy of the weights,
-    # synced from the trainer after every optimizer step.
-    vllm_gpu_memory_utilization: float = 0.3
-    vllm_max_model_len: int | None = None  # None: the model's context length
-    vllm_enforce_eager: bool = False  # CPU always runs eager
-    # After every weight sync a canary sequence's log-probs from engine and trainer are
-    # compared; a larger max gap is an error. None: 1e-3 in float32, 0.1 in 16-bit; 0: off.
-    # The hf engine's bf16 copies (trainer.precision bf16) are checked against it too.
-    vllm_sync_tolerance: float | None = None
-    # Multi-turn episodes. Tools: plain functions with type hints and a docstring, as
-    # "package.module:function" or "path/file.py:function"; or an environment class
-    # (reset / step / reward) for stateful episodes. Without either: single-turn.
-    tools: list[str] = field(default_factory=list)
-    environment: str | None = None
-    max_turns: int = 4  # assistant turns per episode (each at most max_completion_length)
-    # Every token after the prompt, assistant and tool turns together; None: max_turns x
-    # max_completion_length x 2 (room for a tool turn as long as each assistant turn).
-    max_episode_tokens: int | None = None
-    tool_timeout: float = 10.0  # seconds per tool call; past it the call is a tool error
-
-    @property
-    def episodic(self) -> bool:
-        return bool(self.tools) or bool(self.environment)
-
-    def episode_budget(self) -> int:
-        """Every token after the prompt an episode may hold (single-turn: one completion)."""
-        if not self.episodic:
-            return self.max_completion_length
-        if self.max_episode_tokens is not None:
-            return self.max_episode_tokens
-        return self.max_turns * self.max_completion_length * 2
-
-    def sampling(self, seed: int) -> SamplingParams:
-        """The SamplingParams of one rollout call; pass a different seed each step."""
-        return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_completion_length=self.max_completion_length,
-            seed=seed,
-            sampler=self.sampler,
-            max_turns=self.max_turns if self.episodic else 1,
-            max_episode_tokens=self.episode_budget() if self.episodic else None,
         )

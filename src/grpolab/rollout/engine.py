@@ -9,7 +9,7 @@ import importlib
 import torch
 
 from grpolab.precision import FP32, Precision
-from grpolab.rollout.base import Rollout, RolloutConfig, SamplingParams
+from grpolab.rollout.base import Rollout, SamplingParams
 from grpolab.rollout.episodes import Episode, EpisodeSetup
 
 
@@ -33,7 +33,7 @@ class RolloutEngine(abc.ABC):
         cls,
         model: torch.nn.Module,
         tokenizer,
-        cfg: RolloutConfig,
+        cfg,
         model_path: str | None = None,
         chat_template: bool = False,
         system_prompt: str | None = None,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -34,7 +35,7 @@ from grpolab.precision import (
     casts_forgotten,
     forget_casts,
 )
-from grpolab.rollout.base import Rollout, RolloutConfig, SamplingParams
+from grpolab.rollout.base import Rollout, SamplingParams
 from grpolab.rollout.common import (
     SAMPLERS,
     WeightSyncError,
@@ -52,6 +53,29 @@ from grpolab.rollout.episodes import (
     assemble_episodes,
     stop_string_tokens,
 )
+from grpolab.schema import key
+
+
+@dataclass(frozen=True)
+class HFEngineConfig:
+    """`rollout.hf`: the decode loop on the training model. Both keys decide how the same
+    distribution is sampled, so a resumed run may change them."""
+
+    # Prefill each prompt once for its G samples (exact; off = one prefill per row).
+    shared_prefill: bool = key(True, legacy="rollout.shared_prefill", resume_free=True)
+    # How each token is drawn from its distribution (the same distribution either way,
+    # different random numbers). multinomial: torch.multinomial, one exponential draw per
+    # vocabulary entry (~50 ms per decode step at 64 rows x 49k on a CPU), the samples of
+    # every run before inverse_cdf existed. inverse_cdf: one uniform per row against float64
+    # cumulative sums, in two levels (~1 ms).
+    sampler: str = key(
+        "multinomial", choices=tuple(SAMPLERS), legacy="rollout.sampler", resume_free=True
+    )
+
+    def memory_mb(self, weights_mb: float, kv_cache_mb: float, device) -> float:
+        """What sampling holds beside the training model: the batch's KV cache (the engine
+        samples with the trainer's own weights)."""
+        return kv_cache_mb
 
 
 class HFEngine(RolloutEngine):
@@ -102,7 +126,7 @@ class HFEngine(RolloutEngine):
         cls,
         model: torch.nn.Module,
         tokenizer,
-        cfg: RolloutConfig,
+        cfg,
         model_path: str | None = None,
         chat_template: bool = False,
         system_prompt: str | None = None,
@@ -115,10 +139,10 @@ class HFEngine(RolloutEngine):
             tokenizer,
             chat_template=chat_template,
             system_prompt=system_prompt,
-            shared_prefill=cfg.shared_prefill,
+            shared_prefill=cfg.hf.shared_prefill,
             episodes=episodes,
             precision=precision,
-            sync_tolerance=cfg.vllm_sync_tolerance,
+            sync_tolerance=cfg.sync_tolerance,
         )
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -184,7 +208,7 @@ class HFEngine(RolloutEngine):
             raise WeightSyncError(
                 f"weight sync check: the hf engine's bf16 weight copies differ from the "
                 f"trainer's weights rounded afresh by up to {gap:.3g} "
-                f"(rollout.vllm_sync_tolerance={self.sync_tolerance:g}): the engine is not "
+                f"(rollout.sync_tolerance={self.sync_tolerance:g}): the engine is not "
                 "running the trainer's weights (a stale bf16 copy)"
             )
         return gap

@@ -37,6 +37,7 @@ import os
 import random
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ import torch
 from grpolab.lora import lora_layers, merged_lora_weight
 from grpolab.models import base_model
 from grpolab.precision import FP32, Precision, autocast
-from grpolab.rollout.base import Rollout, RolloutConfig, SamplingParams
+from grpolab.rollout.base import Rollout, SamplingParams
 from grpolab.rollout.common import (
     CANARY_TEXT,
     WeightSyncError,
@@ -63,6 +64,29 @@ from grpolab.rollout.episodes import (
     assemble_episodes,
     stop_string_tokens,
 )
+from grpolab.schema import key
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    """`rollout.vllm`: the engine's memory and context. It holds its own copy of the weights,
+    synced from the trainer after every optimizer step; none of these changes what it samples,
+    so a resumed run may change them."""
+
+    gpu_memory_utilization: float = key(
+        0.3, legacy="rollout.vllm_gpu_memory_utilization", resume_free=True
+    )
+    # None: the model's context length.
+    max_model_len: int | None = key(None, legacy="rollout.vllm_max_model_len", resume_free=True)
+    # CPU always runs eager.
+    enforce_eager: bool = key(False, legacy="rollout.vllm_enforce_eager", resume_free=True)
+
+    def memory_mb(self, weights_mb: float, kv_cache_mb: float, device) -> float:
+        """Its own copy of the weights and, on CPU, VLLM_CPU_KVCACHE_SPACE GiB of KV cache
+        (on a GPU it takes gpu_memory_utilization of the card, outside the trainer's)."""
+        space = 0.0 if device.type == "cuda" else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
+        return weights_mb + space * 1024
+
 
 INSTALL_HINT = (
     "the vllm rollout engine needs vLLM: pip install 'grpolab[vllm]' on a CUDA machine, or "
@@ -229,7 +253,7 @@ class VLLMEngine(RolloutEngine):
         cls,
         model: torch.nn.Module,
         tokenizer,
-        cfg: RolloutConfig,
+        cfg,
         model_path: str | None = None,
         chat_template: bool = False,
         system_prompt: str | None = None,
@@ -245,10 +269,10 @@ class VLLMEngine(RolloutEngine):
         kwargs = dict(
             dtype="bfloat16" if precision.bf16 else dtype,
             precision=precision,
-            max_model_len=cfg.vllm_max_model_len,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-            enforce_eager=cfg.vllm_enforce_eager,
-            sync_tolerance=cfg.vllm_sync_tolerance,
+            max_model_len=cfg.vllm.max_model_len,
+            gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+            enforce_eager=cfg.vllm.enforce_eager,
+            sync_tolerance=cfg.sync_tolerance,
             chat_template=chat_template,
             system_prompt=system_prompt,
         )
@@ -369,7 +393,7 @@ class VLLMEngine(RolloutEngine):
                 f"weight sync check: the engine's log-probs of a {len(ids)}-token canary differ "
                 f"from the trainer's by up to {gap:.3g} (scored as a prompt {prompt_gap:.3g}, "
                 f"decoded after its cached prefix {decode_gap:.3g}; allowed {tolerance:.3g}, "
-                f"rollout.vllm_sync_tolerance={self.sync_tolerance:g}"
+                f"rollout.sync_tolerance={self.sync_tolerance:g}"
                 + (f", the trainer's bf16 forward {plain_gap:.3g}" if self.precision.bf16 else "")
                 + "): the engine is not running the trainer's weights"
                 + (" (a stale prefix cache?)" if prompt_gap <= tolerance else "")

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class TaskConfig:
     """Which prompts to train on. One flat section; the fields a task does not use are ignored.
 

@@ -1,0 +1,201 @@
+"""Goal 7, the assembled loss: finite, honest metrics (means over completion tokens only), and
+one SGD step on it raising the completions with a positive advantage relative to the others;
+and NaN in masked slots reaching neither the loss nor its gradient."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from grpolab import core
+from grpolab.check import Check, Mutant
+from grpolab.checks.context import grad_rows
+from grpolab.objective.base import max_abs
+from grpolab.objective.kl import reference as reference_kl
+
+
+def perturbed(ctx):
+    """The clip case with a reference policy: the loss and metrics of the implementation
+    with KL on, and the generator that drew the reference, once per run."""
+
+    def compute():
+        g = torch.Generator().manual_seed(ctx.settings.seed + 1)
+        logp_new, logp_old, adv, mask = ctx.clip_case()
+        logp_ref = logp_old + 0.3 * torch.randn(logp_old.shape, generator=g)
+        beta = ctx.objective.beta if ctx.objective.beta > 0 else 0.04
+        loss, metrics = ctx.loss(logp_new, logp_old, logp_ref, adv, mask, beta=beta, L=8)
+        return (logp_new, logp_old, logp_ref, adv, mask), beta, loss, metrics, g
+
+    return ctx.memo("loss.perturbed", compute)
+
+
+def finite(ctx):
+    _, _, loss, _, _ = perturbed(ctx)
+    loss = torch.as_tensor(loss)
+    ok = bool(torch.isfinite(loss).all()) and loss.numel() == 1
+    return ctx.result("loss on a perturbed policy with KL", float(loss), "finite scalar", ok)
+
+
+def metrics(ctx):
+    """The metrics against a direct masked computation of each."""
+    (logp_new, logp_old, logp_ref, adv, mask), beta, loss, metrics, g = perturbed(ctx)
+    valid = mask.bool()
+    ratio = torch.exp(logp_new.double() - logp_old.double())
+    _, clipped = ctx.reference_policy(logp_new, logp_old, adv, mask)
+    kl = reference_kl(logp_new, logp_ref, ctx.objective)
+    direct = {
+        "loss": float(loss),
+        "clip_frac": clipped.double().sum().item() / valid.sum().item(),
+        "kl": kl[valid].mean().item(),
+        "ratio_mean": ratio[valid].mean().item(),
+    }
+    if "entropy" in metrics or ctx.takes("grpo_loss", "entropy"):
+        # The policy's entropy, handed to the loss: its metric is the masked mean.
+        entropy = torch.rand(mask.shape, generator=g) * 2
+        _, with_entropy = ctx.loss(
+            logp_new, logp_old, logp_ref, adv, mask, beta, 8, entropy=entropy
+        )
+        metrics = metrics | {"entropy": with_entropy.get("entropy", float("nan"))}
+        direct["entropy"] = entropy.double()[valid].mean().item()
+    gaps = {k: abs(float(metrics.get(k, float("nan"))) - v) for k, v in direct.items()}
+    worst_key = max(gaps, key=lambda k: gaps[k] if math.isfinite(gaps[k]) else math.inf)
+    worst = gaps[worst_key]
+    return ctx.result(
+        f"max |metric - direct masked computation| (worst: {worst_key})",
+        worst,
+        "<= 1e-4",
+        math.isfinite(worst) and worst <= 1e-4,
+    )
+
+
+def distinct_signed_advantages(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """[B] +1, -1, +1, ... over the batch's DISTINCT sequences, copies of a sequence sharing
+    its sign: a confident model samples one completion G times, and +1 and -1 on two copies
+    of it cancel in the gradient exactly, leaving nothing for an SGD step to show. None when
+    the batch holds one sequence only (no direction to measure)."""
+    keys = [tuple((row * m).tolist()) for row, m in zip(input_ids, attention_mask, strict=True)]
+    order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    if len(order) < 2:
+        return None
+    return torch.tensor([1.0 if order[k] % 2 == 0 else -1.0 for k in keys])
+
+
+def sgd_direction(ctx):
+    """One small SGD step with the implementation's loss, taken on float32 weights: a copy of
+    a low-precision model (its rounding would swallow the step), else the model's own weights
+    swapped for stepped ones during one forward (no copy; the originals are put back)."""
+    batch, model = grad_rows(ctx.batch, ctx.settings), ctx.model
+    fp32 = all(p.dtype == torch.float32 for p in model.parameters())
+    policy = model if fp32 else copy.deepcopy(model).float()
+    policy.eval()
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
+    args += (ctx.objective.temperature,)
+    advantages = distinct_signed_advantages(batch.input_ids, batch.attention_mask)
+    if advantages is None:
+        return ctx.result("the batch holds one distinct sequence", 0, "-", True)
+    with torch.no_grad():
+        before, mask = core.sequence_logprobs(policy, *args)
+    policy.zero_grad(set_to_none=True)
+    logp_new, impl_mask = ctx.impl.sequence_logprobs(policy, *args)
+    loss, _ = ctx.loss(logp_new, before, None, advantages, impl_mask)
+    ctx.backward(loss)
+    del logp_new, impl_mask, loss
+    after = _stepped_logprobs(policy, args)
+    change = ((after - before) * mask).sum(1) / mask.sum(1).clamp(min=1)  # [B]
+    up = change[advantages > 0].mean().item()
+    down = change[advantages < 0].mean().item()
+    # To first order the gap up - down grows by c * |grad(A>0) - grad(A<0)|^2 >= 0 whatever
+    # the overlap of the two gradients, so the gap is the robust measure.
+    return ctx.result(
+        f"mean logp change after one SGD step: A>0 {up:+.2e}, A<0 {down:+.2e}",
+        up - down,
+        "> 0 (A>0 rises relative to A<0)",
+        up - down > 0,
+    )
+
+
+@torch.no_grad()
+def _stepped_logprobs(policy, args) -> torch.Tensor:
+    """The log-probs after a step of length 1e-3 along -grad, the weights put back after."""
+    trained = [p for p in policy.parameters() if p.grad is not None]
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trained)).item() if trained else 0
+    originals = [p.data for p in trained]
+    for p in trained:
+        p.data = p.data - 1e-3 / max(norm, 1e-12) * p.grad
+        p.grad = None
+    try:
+        after, _ = core.sequence_logprobs(policy, *args)
+    finally:
+        for p, original in zip(trained, originals, strict=True):
+            p.data = original
+    return after
+
+
+def _loss_and_grad(ctx, logp_new, logp_old, logp_ref, adv, mask):
+    """(loss, d loss / d logp_new) of the implementation with KL on, float64 inputs."""
+    new = logp_new.detach().clone().requires_grad_(True)
+    loss, _ = ctx.loss(new, logp_old, logp_ref, adv, mask, beta=0.04, L=8)
+    loss = torch.as_tensor(loss)
+    (grad,) = torch.autograd.grad(loss, new, allow_unused=True)
+    return loss.detach().double(), torch.zeros_like(new) if grad is None else grad.double()
+
+
+def masked_nan(ctx):
+    """NaN planted in the masked slots of logp_old, logp_ref and logp_new (padding a gather
+    or an engine can fill with anything) leaves the loss and its gradient what they are
+    without it (OpenRLHF PR #1240: NaN * 0 = NaN)."""
+    logp_new, logp_old, adv, mask = ctx.clip_case()
+    mask = mask.clone()
+    mask[0, 5:], mask[3, 2:4] = 0, 0  # padding at the end, and a hole (a tool's tokens)
+    g = torch.Generator().manual_seed(ctx.settings.seed + 2)
+    logp_ref = logp_old + 0.3 * torch.randn(logp_old.shape, generator=g, dtype=torch.float64)
+    clean = _loss_and_grad(ctx, logp_new, logp_old, logp_ref, adv, mask)
+    hole = ~mask.bool()
+    poisoned = [torch.where(hole, torch.nan, t) for t in (logp_new, logp_old, logp_ref)]
+    loss, grad = _loss_and_grad(ctx, *poisoned, adv, mask)
+    gap = max(max_abs(loss - clean[0]), max_abs(grad - clean[1]))
+    if not (torch.isfinite(loss).all() and torch.isfinite(grad).all()):
+        gap = math.inf
+    # Both sides compute the same float64 values; only the order of masked zeros may differ.
+    tol = 1e-12 * (1 + max_abs(clean[0]) + max_abs(clean[1]))
+    return ctx.result(
+        f"max |loss, grad with NaN in {int(hole.sum())} masked slots - without| (KL on)",
+        gap,
+        f"<= {tol:.1e}",
+        gap <= tol,
+    )
+
+
+CHECKS = (
+    Check("loss.finite", 7, "the loss must be a finite scalar on a real batch", finite),
+    Check(
+        "loss.metrics",
+        7,
+        "metrics are means over completion tokens only (mask them), and loss is the value returned",
+        metrics,
+        mutants=(Mutant("unmasked_ratio_mean"), Mutant("entropy_unmasked_metric")),
+    ),
+    Check(
+        "loss.sgd_direction",
+        7,
+        "minimising the loss must raise the log-probs of positive-advantage completions: check "
+        "the sign of per_token",
+        sgd_direction,
+        mutants=(Mutant("sign_flipped"),),
+        blame_before="norm.aggregation",
+    ),
+    Check(
+        "loss.masked_nan",
+        0,
+        "a NaN in a masked slot (padding of logp_old, logp_ref or logp_new) reaches the loss or "
+        "its gradient: NaN * 0 is NaN, so select with torch.where(mask, x, 0) before any "
+        "arithmetic instead of multiplying by the mask (OpenRLHF PR #1240)",
+        masked_nan,
+        when=lambda ctx: ctx.settings.masked_nan,
+        mutants=(Mutant("nan_times_mask"),),
+        blame_before="loss.metrics",
+        declared_only=True,
+    ),
+)
