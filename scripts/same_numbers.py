@@ -6,7 +6,7 @@ tree logs are listed, not compared) and the final weights bit for bit.
 
 BASE_REV is checked out into a temporary git worktree; both trees run in this environment
 (PYTHONPATH selects the tree). Exit 0 when every run is identical, 1 otherwise. A whole
-pass (the 400-step demo and five short runs, twice) takes about 10 minutes on 2 cores.
+pass (the 400-step demo and seven short runs, twice) takes about 10 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -38,6 +38,29 @@ RUNS: dict[str, tuple[str, list[str], int | None]] = {
     ),
     "beta>0": ("python", [*SMALL, "max_steps=6", "trainer.beta=0.04"], None),
     "torchrun 2 ranks": ("torchrun", [*SMALL, "max_steps=4", "trainer.save_steps=2"], None),
+    "torchrun 2 ranks lora": (
+        "torchrun",
+        [
+            *SMALL,
+            "max_steps=4",
+            "trainer.lora_r=8",
+            "trainer.beta=0.05",
+            "trainer.gradient_accumulation_steps=2",
+        ],
+        None,
+    ),
+    "torchrun 2 ranks accumulation": (
+        "torchrun",
+        [
+            *SMALL,
+            "max_steps=4",
+            "trainer.gradient_accumulation_steps=2",
+            "trainer.num_iterations=2",
+            "trainer.mini_batch_size=8",
+            "trainer.gradient_checkpointing=true",
+        ],
+        None,
+    ),
     "resume": ("python", [*SMALL, "max_steps=6", "trainer.save_steps=3"], 3),
 }
 
