@@ -83,6 +83,20 @@ def sync_probe(run, step: int) -> dict[str, object]:
     return out
 
 
+def compiled_step(d, out: Path) -> dict[str, object]:
+    """ddp: the "token" step of main() with trainer.torch_compile, whose layer parts compile
+    inside DDP's forward (its small buckets are where Dynamo's DDP graph splitting failed):
+    its gradients, and what made the fused log-prob path fall back to the naive one."""
+    from grpolab import logprobs
+
+    cfg = split_config("ddp", "token", out / "unused", accumulation=2)
+    cfg.trainer.torch_compile = True
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    run = build_run(cfg, model, tokenizer, dist=d)
+    grpo_step(run, 1)
+    return {"grads": full_grads(run.model), "fell_back": sorted(logprobs._WARNED.get(model, ()))}
+
+
 def demo_overrides(out: Path, mode: str) -> list[str]:
     return [
         f"output_dir={out}",
@@ -182,6 +196,7 @@ def main() -> None:
     if mode == "ddp":  # fsdp holds shards; its sums differ by design
         results["local_params_per_rank"] = dist_module.all_gather_objects(local, d)
         results["sync"] = sync_probe(run, 2)
+        results["compiled"] = compiled_step(d, out)
     results["local_prompts_per_rank"] = dist_module.all_gather_objects(batch.rollout.prompts, d)
 
     cfg = load_config(None, demo_overrides(out / "demo", mode))

@@ -150,6 +150,12 @@ def test_two_ranks_equal_one_process(tmp_path, one_process, mode):
         a, b = two["local_params_per_rank"]
         assert a == b
         check_ddp_sync(two["sync"])
+        # Compiled layer parts under DDP: the fused path, the eager step's gradients.
+        compiled, eager = two["compiled"], two["token"]
+        assert compiled["fell_back"] == []
+        terms = one["token"]["terms"]
+        rtol = gradient_norm_tolerance(eager["grads"], terms)
+        assert_gradients_close(compiled["grads"], eager["grads"], terms, rtol=rtol)
 
     # The 2-rank demo run ends where the 1-process run ends (two Adam steps along two paths).
     start = start_model(demo_overrides(tmp_path / "unused", "ddp")).state_dict()

@@ -133,7 +133,13 @@ class TrainForward(torch.nn.Module):
         self.model = model
 
     def forward(self, fn, *args, **kwargs):
-        return fn(self.model, *args, **kwargs)
+        # Layer parts compiled by trainer.torch_compile compile here, inside DDP's forward,
+        # where Dynamo would cut each of them at DDP's bucket boundaries (its DDPOptimizer,
+        # made for a whole compiled DDP module, fails on buckets smaller than a part). They
+        # are small leaf modules, and DDP's reducer still starts a bucket as soon as the
+        # backward of the parts holding it is done: compile them whole, as on one process.
+        with torch._dynamo.config.patch(optimize_ddp=False):
+            return fn(self.model, *args, **kwargs)
 
 
 def replicate(model: torch.nn.Module, bucket_mb: float):
