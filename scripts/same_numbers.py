@@ -6,7 +6,7 @@ tree logs are listed, not compared) and the final weights bit for bit.
 
 BASE_REV is checked out into a temporary git worktree; both trees run in this environment
 (PYTHONPATH selects the tree). Exit 0 when every run is identical, 1 otherwise. A whole
-pass (the 400-step demo and seven short runs, twice) takes about 10 minutes on 2 cores.
+pass (the 400-step demo and eight short runs, twice) takes about 13 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -58,6 +58,17 @@ RUNS: dict[str, tuple[str, list[str], int | None]] = {
             "trainer.num_iterations=2",
             "trainer.mini_batch_size=8",
             "trainer.gradient_checkpointing=true",
+        ],
+        None,
+    ),
+    "torchrun 2 ranks compile": (
+        "torchrun",
+        [
+            *SMALL,
+            "max_steps=3",
+            "trainer.torch_compile=true",
+            "trainer.gradient_accumulation_steps=2",
+            "trainer.ddp_bucket_mb=0.05",
         ],
         None,
     ),
