@@ -164,8 +164,9 @@ class TrainerConfig:
     progress: bool = True  # progress bar with ETA
     # Under torchrun: ddp (a replica per rank, gradients summed) | fsdp (FSDP2 fully_shard).
     distributed: str = "ddp"
-    # ddp: gradients are summed in buckets of this many MB, each starting as soon as backward
-    # has finished its gradients (communication overlaps the rest of the backward pass).
+    # ddp: DistributedDataParallel's bucket_cap_mb: gradients are summed in buckets of this
+    # many MiB, each starting as soon as backward has finished its gradients (communication
+    # overlaps the rest of the backward pass).
     ddp_bucket_mb: float = 25.0
     # local: each rank samples only its prompts' groups | replicated: every rank samples the
     # whole global batch and keeps its groups (W x the rollout cost; the batch is exactly the
