@@ -6,7 +6,7 @@ tree logs are listed, not compared) and the final weights bit for bit.
 
 BASE_REV is checked out into a temporary git worktree; both trees run in this environment
 (PYTHONPATH selects the tree). Exit 0 when every run is identical, 1 otherwise. A whole
-pass (the 400-step demo and five short runs, twice) takes about 10 minutes on 2 cores.
+pass (the 400-step demo and eight short runs, twice) takes about 13 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -24,21 +24,57 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TIME_KEYS = ("time/", "tokens_per_s")  # wall-clock metrics: never equal between two runs
-SMALL = ["batch.prompts_per_step=4", "batch.num_generations=4", "eval.eval_examples=32"]
-QUIET = ["logging.progress=false", "--skip-preflight"]
+# The keys by their older names (trainer.<key>): the trees before the config's sections read
+# only those, and every later tree reads them as the new ones.
+SMALL = ["trainer.prompts_per_step=4", "trainer.num_generations=4", "trainer.eval_examples=32"]
+QUIET = ["trainer.progress=false", "--skip-preflight"]
 
 # name -> (launcher, [overrides], resume from checkpoint-N of the same command with fewer steps)
 RUNS: dict[str, tuple[str, list[str], int | None]] = {
     "demo": ("python", [], None),
-    "lora": ("python", [*SMALL, "max_steps=6", "lora.r=8", "objective.beta=0.05"], None),
+    "lora": ("python", [*SMALL, "max_steps=6", "trainer.lora_r=8", "trainer.beta=0.05"], None),
     "num_iterations=2": (
         "python",
-        [*SMALL, "max_steps=6", "objective.num_iterations=2", "batch.mini_batch_size=8"],
+        [*SMALL, "max_steps=6", "trainer.num_iterations=2", "trainer.mini_batch_size=8"],
         None,
     ),
-    "beta>0": ("python", [*SMALL, "max_steps=6", "objective.beta=0.04"], None),
-    "torchrun 2 ranks": ("torchrun", [*SMALL, "max_steps=4", "checkpoints.save_steps=2"], None),
-    "resume": ("python", [*SMALL, "max_steps=6", "checkpoints.save_steps=3"], 3),
+    "beta>0": ("python", [*SMALL, "max_steps=6", "trainer.beta=0.04"], None),
+    "torchrun 2 ranks": ("torchrun", [*SMALL, "max_steps=4", "trainer.save_steps=2"], None),
+    "torchrun 2 ranks lora": (
+        "torchrun",
+        [
+            *SMALL,
+            "max_steps=4",
+            "trainer.lora_r=8",
+            "trainer.beta=0.05",
+            "trainer.gradient_accumulation_steps=2",
+        ],
+        None,
+    ),
+    "torchrun 2 ranks accumulation": (
+        "torchrun",
+        [
+            *SMALL,
+            "max_steps=4",
+            "trainer.gradient_accumulation_steps=2",
+            "trainer.num_iterations=2",
+            "trainer.mini_batch_size=8",
+            "trainer.gradient_checkpointing=true",
+        ],
+        None,
+    ),
+    "torchrun 2 ranks compile": (
+        "torchrun",
+        [
+            *SMALL,
+            "max_steps=3",
+            "trainer.torch_compile=true",
+            "trainer.gradient_accumulation_steps=2",
+            "trainer.ddp_bucket_mb=0.05",
+        ],
+        None,
+    ),
+    "resume": ("python", [*SMALL, "max_steps=6", "trainer.save_steps=3"], 3),
 }
 
 

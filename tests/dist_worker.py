@@ -1,6 +1,7 @@
 """Run under `torchrun --nproc_per_node 2`: one GRPO step per aggregation mode on a global
-batch split over the ranks, then a short demo run with checkpoints. Rank 0 writes the
-parameters it ends with to argv[2] for tests/test_distributed.py to compare.
+batch split over the ranks, then (ddp) the gradients of each rank's own batch without and with
+DDP's sync, then a short demo run with checkpoints. Rank 0 writes the parameters it ends with
+to argv[2] for tests/test_distributed.py to compare.
 
 Modes "vllm-fsdp" and "vllm-lora": one vLLM engine per rank, synced from FSDP2 shards and
 from a LoRA model under DDP (see vllm_main)."""
@@ -15,7 +16,7 @@ import torch
 from grpolab import dist as dist_module
 from grpolab.config import load_config, replaced
 from grpolab.setup import build_run, load_start_model
-from grpolab.step import grpo_step
+from grpolab.step import collect, grpo_step
 from grpolab.trainer import train
 
 MODES = ("sequence", "token", "constant")
@@ -35,7 +36,7 @@ def split_config(mode: str, loss_type: str, out: Path, accumulation: int):
             "parallel.rollout_split=replicated",
             "objective.beta=0.05",
             "optim.learning_rate=1e-3",
-            # ddp: ~40 buckets, their order and overlap exercised (fsdp has no buckets)
+            # ddp: DDP's buckets of at most ~50 KB, many of them (fsdp has no buckets)
             *(["parallel.ddp_bucket_mb=0.05"] if mode == "ddp" else []),
         ],
     )
@@ -48,6 +49,52 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         g = p.grad
         out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
     return out
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def sync_probe(run, step: int) -> dict[str, object]:
+    """ddp: one forward and backward of this rank's own batch (rollout_split=local: the ranks'
+    batches differ) through `run.train_forward`, the loss the sum of its masked log-probs:
+    under DDP's no_sync (`local`), then once more synced (`accumulated`: both passes'
+    gradients summed over ranks), then synced from zero (`synced`). Each rank's gradients and
+    DDP's own record of its buckets and of its last synced backward."""
+    batch = collect(run, step)
+    inputs = (batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+    out: dict[str, object] = {}
+    for name, sync, zero in (("local", False, True), ("accumulated", True, False),
+                             ("synced", True, True)):  # fmt: skip
+        if zero:
+            run.optimizer.zero_grad(set_to_none=True)
+        with run.gradient_sync(sync):
+            logp, mask = run.train_forward(*inputs)
+            (logp * mask).sum().backward()
+        out[name] = dist_module.all_gather_objects(grads(run.model), run.dist)
+    # DDP logs a synced backward's timings at the next synced forward.
+    logp, mask = run.train_forward(*inputs)
+    (logp * mask).sum().backward()
+    run.optimizer.zero_grad(set_to_none=True)
+    out["logging"] = run.ddp._get_ddp_logging_data()
+    out["param_bytes"] = [
+        p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad
+    ]
+    return out
+
+
+def compiled_step(d, out: Path) -> dict[str, object]:
+    """ddp: the "token" step of main() with runtime.torch_compile, whose layer parts compile
+    inside DDP's forward (its small buckets are where Dynamo's DDP graph splitting failed):
+    its gradients, and what made the fused log-prob path fall back to the naive one."""
+    from grpolab import logprobs
+
+    cfg = split_config("ddp", "token", out / "unused", accumulation=2)
+    cfg = replaced(cfg, {"runtime.torch_compile": True})
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    run = build_run(cfg, model, tokenizer, dist=d)
+    grpo_step(run, 1)
+    return {"grads": full_grads(run.model), "fell_back": sorted(logprobs._WARNED.get(model, ()))}
 
 
 def demo_overrides(out: Path, mode: str) -> list[str]:
@@ -132,10 +179,7 @@ def main() -> None:
         model, tokenizer = load_start_model(cfg, torch.device("cpu"))
         run = build_run(cfg, model, tokenizer, dist=d)
         metrics, batch = grpo_step(run, 1)
-        reducer = run.reducer
         results[loss_type] = {
-            "buckets": None if reducer is None else len(reducer.buckets),
-            "overlapped": None if reducer is None else reducer.started_during_backward,
             "params": dist_module.full_state_dict(run.model),
             "grads": full_grads(run.model),
             "grad_norm": metrics["grad_norm"],
@@ -151,6 +195,8 @@ def main() -> None:
     local = {k: v.float().sum().item() for k, v in run.model.state_dict().items()}
     if mode == "ddp":  # fsdp holds shards; its sums differ by design
         results["local_params_per_rank"] = dist_module.all_gather_objects(local, d)
+        results["sync"] = sync_probe(run, 2)
+        results["compiled"] = compiled_step(d, out)
     results["local_prompts_per_rank"] = dist_module.all_gather_objects(batch.rollout.prompts, d)
 
     cfg = load_config(None, demo_overrides(out / "demo", mode))

@@ -1,8 +1,9 @@
 """Data parallel across processes started by torchrun: init, rank helpers, reductions, and
-the two ways of holding the model (`ddp`: a full replica per rank, gradients summed by one
-flat all-reduce per optimizer step; `fsdp`: FSDP2 `fully_shard` on each decoder layer and the
-root). Gradients are SUMMED across ranks: the loss normaliser is global (see
-`step.loss_scale`), so the sum is the single-process gradient of the same global batch.
+the two ways of holding the model (`ddp`: a full replica per rank under torch's
+DistributedDataParallel, gradients summed in buckets during the last micro-batch's backward;
+`fsdp`: FSDP2 `fully_shard` on each decoder layer and the root). Gradients are SUMMED across
+ranks: the loss normaliser is global (see `step.optimizer_step`, `core.micro_batch_scale`), so
+the sum is the single-process gradient of the same global batch.
 Every helper is total: on one process it does the one-process thing, so callers need no
 "if distributed" branch."""
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -121,73 +121,65 @@ def max_metrics(metrics: dict[str, float], d: Dist) -> dict[str, float]:
     return dict(zip(keys, t.tolist(), strict=True))
 
 
-class GradientReducer:
-    """`ddp`: the gradients summed over ranks while the last micro-batch's backward still runs.
+class TrainForward(torch.nn.Module):
+    """The forward whose log-probs get gradients, as a module DDP can wrap: `forward(fn,
+    ...)` is `fn(model, ...)` (the run's sequence_logprobs, which may call the inner decoder
+    and the head's weight itself rather than the model's own forward). The model is its one
+    submodule, so DDP's parameters are the model's own, and every call goes through DDP's
+    forward, which prepares its reducer for the backward that follows."""
 
-    Parameters are grouped into buckets of about `bucket_mb` in reverse order (the order in
-    which backward finishes them). Once `arm()`ed, a bucket whose every gradient is final
-    starts its all-reduce asynchronously, in bucket order on every rank (collectives must
-    match even when the ranks' graphs differ); `wait()` starts what is left (parameters that
-    got no gradient this time) and writes the sums back: one flat all-reduce per bucket, the
-    communication overlapping the rest of the backward pass."""
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
 
-    def __init__(self, params: list[torch.nn.Parameter], bucket_mb: float = 25.0):
-        buckets: list[list[torch.nn.Parameter]] = [[]]
-        size = 0
-        for p in reversed(params):
-            if buckets[-1] and size + p.numel() * p.element_size() > bucket_mb * 2**20:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += p.numel() * p.element_size()
-        self.buckets = [b for b in buckets if b]
-        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._finished)
-        self._armed = False
-        self.started_during_backward = 0  # of the last wait()'s buckets
-
-    def arm(self) -> None:
-        """Call before the backward whose gradients are the last of this optimizer step."""
-        self._armed = True
-        self._missing = [len(b) for b in self.buckets]
-        self._started: list[tuple[torch.Tensor, Any]] = []
-
-    def _finished(self, p: torch.nn.Parameter) -> None:
-        if not self._armed:
-            return
-        self._missing[self._bucket_of[id(p)]] -= 1
-        while len(self._started) < len(self.buckets) and self._missing[len(self._started)] == 0:
-            self._start(len(self._started))
-
-    def _start(self, i: int) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
-        flat = _on_comm_device(torch.cat([g.reshape(-1) for g in grads]))
-        self._started.append((flat, dist.all_reduce(flat, async_op=True)))
-
-    def wait(self) -> None:
-        """Every bucket summed over ranks and written back into .grad."""
-        self.started_during_backward = len(self._started)
-        while len(self._started) < len(self.buckets):
-            self._start(len(self._started))
-        for bucket, (flat, work) in zip(self.buckets, self._started, strict=True):
-            work.wait()
-            offset = 0
-            for p in bucket:
-                value = flat[offset : offset + p.numel()].view_as(p).to(p.device)
-                offset += p.numel()
-                if p.grad is not None:
-                    p.grad.copy_(value)
-                elif value.any():  # a gradient from another rank only
-                    p.grad = value.clone()
-                # else no rank had one: left None, so the optimizer skips it as on one process
-        self._armed = False
+    def forward(self, fn, *args, **kwargs):
+        # Layer parts compiled by runtime.torch_compile compile here, inside DDP's forward,
+        # where Dynamo would cut each of them at DDP's bucket boundaries (its DDPOptimizer,
+        # made for a whole compiled DDP module, fails on buckets smaller than a part). They
+        # are small leaf modules, and DDP's reducer still starts a bucket as soon as the
+        # backward of the parts holding it is done: compile them whole, as on one process.
+        with torch._dynamo.config.patch(optimize_ddp=False):
+            return fn(self.model, *args, **kwargs)
 
 
-def broadcast_parameters(model: torch.nn.Module) -> None:
-    """`ddp`: rank 0's weights on every rank (they start equal; this makes sure)."""
-    for p in model.parameters():
-        dist.broadcast(p.data, 0)
+def replicate(model: torch.nn.Module, bucket_mb: float):
+    """`ddp`: torch's DistributedDataParallel around `TrainForward(model)`, its gradients
+    SUMMED over ranks (`sum_hook`). Construction broadcasts rank 0's parameters and buffers.
+    Buckets of `bucket_mb` MiB in reverse parameter order; during a synced backward each
+    bucket's all-reduce starts as soon as its gradients are final.
+
+    find_unused_parameters: a trainable parameter that this rank's forward did not reach (a
+    mixture-of-experts expert no token of this rank's batch was routed to, a part of the
+    model the log-probs never run) gets the other ranks' sum, and one that no rank reached
+    keeps no gradient, as on one process. Without it DDP waits for that parameter's gradient
+    and fails at the next forward. Its cost: one walk of the autograd graph per optimizer
+    step, and for a dense model a warning, once per rank, that it found nothing unused.
+    forward_sync_buffers=False: the buffers (rotary frequencies) are computed from the config
+    and never trained, equal on every rank after the construction's broadcast.
+    gradient_as_bucket_view: after the sum each .grad is a view of DDP's bucket rather than a
+    second copy beside it (the same values), so DDP adds no gradient-sized memory at the
+    optimizer step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(
+        TrainForward(model),
+        bucket_cap_mb=bucket_mb,
+        find_unused_parameters=True,
+        forward_sync_buffers=False,
+        gradient_as_bucket_view=True,
+    )
+    ddp.register_comm_hook(None, sum_hook)
+    return ddp
+
+
+def sum_hook(group, bucket):
+    """DDP's communication hook: the bucket all-reduced with SUM, not divided by the world
+    size (DDP's default divides): the loss normaliser is already global (`step.optimizer_step`),
+    so the sum is the one-process gradient of the global batch. Returns a Future of the
+    bucket; unannotated, since DDP compares a hook's annotations with its own objects and
+    this module's are strings (`from __future__ import annotations`)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:

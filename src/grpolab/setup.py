@@ -5,6 +5,7 @@ device, and the batch plan. Everything a step needs, in one `Run`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -91,10 +92,27 @@ class Run:
     device: torch.device
     plan: BatchPlan
     dist: Dist = field(default_factory=Dist)
-    reducer: dist_module.GradientReducer | None = None  # ddp: sums gradients during backward
+    # ddp: DistributedDataParallel around dist.TrainForward(model); sums gradients over ranks
+    ddp: torch.nn.parallel.DistributedDataParallel | None = None
     precision: Precision = FP32  # what the forwards run
     skipped_steps: int = 0  # steps whose update a non-finite value stopped
     consecutive_nonfinite: int = 0
+
+    def train_forward(self, *args, **kwargs):
+        """sequence_logprobs(model, *args, **kwargs) for the forward that gets gradients:
+        under ddp through DDP's forward (which prepares the backward's gradient sums), else
+        on the model itself. The no-grad forwards call the model directly."""
+        if self.ddp is not None:
+            return self.ddp(self.functions.sequence_logprobs, *args, **kwargs)
+        return self.functions.sequence_logprobs(self.model, *args, **kwargs)
+
+    def gradient_sync(self, now: bool):
+        """The context of a micro-batch's forward and backward: under ddp, DDP's no_sync()
+        unless `now` (the last micro-batch of an optimizer step), so that earlier micro-batches
+        accumulate locally and the last one's backward sums the total over ranks."""
+        if self.ddp is None or now:
+            return contextlib.nullcontext()
+        return self.ddp.no_sync()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -145,7 +163,8 @@ def build_run(
     dist: Dist | None = None,
 ) -> Run:
     """Task, rewards, engine, reference copy, optimizer and LR schedule around `model`;
-    under data parallel the model is sharded (fsdp) or made equal on every rank (ddp) first.
+    under data parallel the model is sharded (fsdp) or wrapped in DDP (ddp: rank 0's weights
+    on every rank) first, before the engine copies it.
     `functions`: the core functions to train with (default: grpolab's, as configured)."""
     functions = functions or core_functions(cfg.runtime.logprobs, cfg.runtime.shared_prefix)
     o = objective_of(cfg)  # the objective, built once for the run
@@ -155,6 +174,9 @@ def build_run(
         validate_world(cfg, d.world)
     model, ref_model = prepare_model(model, cfg, d)
     device = device or next(model.parameters()).device
+    ddp = None
+    if d.on and d.mode == "ddp":
+        ddp = dist_module.replicate(model, cfg.parallel.ddp_bucket_mb)
     plan = BatchPlan.of(cfg, d.world)
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     opt = cfg.optim
@@ -193,11 +215,7 @@ def build_run(
         plan=plan,
         dist=d,
         precision=resolve_precision(cfg.runtime.precision, device),
-        reducer=(
-            dist_module.GradientReducer(trained, cfg.parallel.ddp_bucket_mb)
-            if d.on and d.mode == "ddp"
-            else None
-        ),
+        ddp=ddp,
     )
 
 
@@ -206,7 +224,8 @@ def prepare_model(
 ) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """(the policy to train, the reference policy's own copy or None): LoRA adapters, a
     frozen reference copy when beta > 0 (LoRA needs none: its base is the reference),
-    gradient checkpointing, compiled layer parts, then FSDP2 shards or DDP-equal replicas."""
+    gradient checkpointing, compiled layer parts, then FSDP2 shards (`build_run` wraps a ddp
+    model in DDP, which makes the replicas equal)."""
     ref_model = None
     if cfg.lora.r > 0:
         model = wrap_lora(model, cfg)
@@ -220,8 +239,6 @@ def prepare_model(
         model = dist_module.shard(model)
         if ref_model is not None:
             ref_model = dist_module.shard(ref_model)
-    elif d.on:
-        dist_module.broadcast_parameters(model)
     return model, ref_model
 
 
@@ -349,5 +366,3 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     for part in parts:
         part.compile(dynamic=True)
     return len(parts)
-
-

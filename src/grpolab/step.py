@@ -412,14 +412,14 @@ def optimizer_step(
                 continue
         stats.rows_run += len(micro_rows)
         ran = True
-        share, problem = micro_step(run, batch, micro_rows, minibatch_mask, count, first, stats)
+        # ddp: the last micro-batch's backward sums the accumulated gradients over ranks, bucket
+        # by bucket as backward finishes them (rows are never skipped under data parallel, so
+        # every rank syncs on the same micro-batch).
+        with run.gradient_sync(last):
+            share, problem = micro_step(run, batch, micro_rows, minibatch_mask, count, first, stats)
+            (share * dist_module.loss_multiplier(d)).backward()
         nonfinite = nonfinite or problem
-        if run.reducer is not None and last:  # ddp: the sums start as backward finishes them
-            run.reducer.arm()
-        (share * dist_module.loss_multiplier(d)).backward()
         loss_total += float(share.detach())
-    if run.reducer is not None:
-        run.reducer.wait()
     if not ran:  # every row skipped: the full update's gradient, exact zeros (AdamW still
         for p in params:  # steps its moments and decay, as it would on the full batch)
             p.grad = torch.zeros_like(p)
@@ -454,8 +454,7 @@ def micro_step(
     cfg, fns, o = run.cfg, run.functions, run.objective
     with_entropy = _takes(fns.sequence_logprobs, "return_entropy")
     with autocast(run.precision, run.device):  # the forward only; backward outside
-        logp, mask, *entropy = fns.sequence_logprobs(
-            run.model,
+        logp, mask, *entropy = run.train_forward(  # ddp: through DDP's forward
             batch.input_ids[rows],
             batch.attention_mask[rows],
             batch.completion_mask[rows],

@@ -183,8 +183,9 @@ class ParallelConfig:
     strategy: str = key(
         "ddp", choices=("ddp", "fsdp"), legacy="trainer.distributed", resume_free=True
     )
-    # ddp: gradients are summed in buckets of this many MB, each starting as soon as backward
-    # has finished its gradients (communication overlaps the rest of the backward pass).
+    # ddp: DistributedDataParallel's bucket_cap_mb: gradients are summed in buckets of this
+    # many MiB, each starting as soon as backward has finished its gradients (communication
+    # overlaps the rest of the backward pass).
     ddp_bucket_mb: float = key(25.0, **above(0), resume_free=True)
     # local: each rank samples only its prompts' groups | replicated: every rank samples the
     # whole global batch and keeps its groups (W x the rollout cost; the batch is exactly the
