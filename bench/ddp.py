@@ -97,10 +97,10 @@ def update_worker(model: str, reps: int, base_dist: Path, out: Path) -> None:
     import torch
     import torch.distributed as tdist
 
-    from grpolab import dist as dist_module
     from grpolab.config import load_config
-    from grpolab.setup import build_run, load_start_model
-    from grpolab.step import collect
+    from grpolab.model import dist as dist_module
+    from grpolab.train.setup import build_run, load_start_model
+    from grpolab.train.step import collect
 
     spec = importlib.util.spec_from_file_location("base_dist", base_dist)
     base = sys.modules["base_dist"] = importlib.util.module_from_spec(spec)  # for @dataclass

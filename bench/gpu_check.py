@@ -236,8 +236,8 @@ def train(out: Path) -> None:
     prompt (runtime.shared_prefix), and one per prompt with the layers' parts compiled
     (runtime.torch_compile). Time split: log-prob forward, backward, optimizer step."""
     from grpolab import core
-    from grpolab.logprobs import token_logprobs
-    from grpolab.setup import compile_decoder_layers
+    from grpolab.model.logprobs import token_logprobs
+    from grpolab.train.setup import compile_decoder_layers
 
     B, T, P = (4 if SMOKE else 64), PROMPT_LEN + NEW_TOKENS, PROMPT_LEN
     g = torch.Generator().manual_seed(1)

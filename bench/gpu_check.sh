@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check, in one go (about 8 minutes on one H200): a Qwen2.5-0.5B-shaped model with
-# random weights (no download) -- rollout tokens/s for each engine present, a GRPO step's time
+# The GPU check, in one go (about 9 minutes on one H100 or H200): the demo trained on the GPU
+# (bf16, its preflight included), then a Qwen2.5-0.5B-shaped model with random weights (no
+# download) -- rollout tokens/s for each engine present, a GRPO step's time
 # split and peak memory, the log-prob table at real shapes, and a 2-process FSDP2 run when
 # more than one GPU is visible. Every part has its own time limit; a part that fails or whose
 # component is missing is reported and the rest still runs.
@@ -56,9 +57,14 @@ for name in ("vllm", "peft", "flash_attn"):
 EOF
 say "GPUs visible: $NGPU"
 
+# The demo on the GPU as a user runs it: runtime.precision=auto picks bf16 there, so its
+# preflight is the bf16 one, and its held-out accuracy is bf16's beside the CPU's fp32.
+part demo_cuda 200 "$PY" -m grpolab train --overwrite output_dir="$OUT/demo-run" \
+    model.device=cuda logging.progress=false
+grep -ho '"eval_accuracy": [0-9.]*' "$OUT/demo-run/metrics.jsonl" 2>/dev/null | tail -n 5 >>"$SUMMARY"
+part train 160 "$PY" bench/gpu_check.py train "$OUT"
 part rollout_hf 120 "$PY" bench/gpu_check.py rollout-hf "$OUT"
 part rollout_vllm 120 "$PY" bench/gpu_check.py rollout-vllm "$OUT"
-part train 160 "$PY" bench/gpu_check.py train "$OUT"
 part logprobs 90 "$PY" bench/logprobs.py --device cuda --dtype bfloat16 --shapes qwen0.5b \
     --variants naive,fused,floor --repeats 3 --json "$OUT/logprobs.json"
 

@@ -8,7 +8,7 @@ One step: token log-probs of N tokens from hidden states [N, H] and an lm-head w
                tokens; TRL's own function when trl is installed, its idea otherwise)
   trl_chunked  TRL's fused chunked lm-head (trl.kernels.ChunkedLogProbFunction, chunk 32768
                as its trainer uses it), when trl is installed
-  fused        grpolab.logprobs.fused_token_logprobs
+  fused        grpolab.model.logprobs.fused_token_logprobs
   floor        the three unavoidable matmuls alone: h @ W^T, then grad @ W and grad^T @ h
 
 Each (shape, variant) runs in its own process so that peak memory is its own. Peak memory is
@@ -116,7 +116,7 @@ def trl_chunked(hidden, weight, targets, temperature):
 
 
 def fused(hidden, weight, targets, temperature):
-    from grpolab.logprobs import fused_token_logprobs
+    from grpolab.model.logprobs import fused_token_logprobs
 
     return fused_token_logprobs(hidden, weight, targets, temperature)
 
@@ -179,7 +179,7 @@ def worker(args) -> dict:
         hidden.grad = weight.grad = None
 
     # Imports and one-time set-up before the baseline, so the peak is the step's own.
-    import grpolab.logprobs  # noqa: F401
+    import grpolab.model.logprobs  # noqa: F401
 
     if has_trl():
         import trl.kernels

@@ -7,7 +7,7 @@ respect to every parameter are compared with a float64 copy of the same model on
 batch (log-softmax in float64 too):
 
   naive           core.sequence_logprobs: the full [B, T, V] logits, log_softmax in float32
-  fused           grpolab.logprobs.token_logprobs, one forward per prompt (the trainer's path)
+  fused           grpolab.model.logprobs.token_logprobs, one forward per prompt (the trainer's path)
   fused_per_row   the same without sharing the prompt's forward
 
 Printed per path: the max |logp - logp64| over completion tokens, the max |grad - grad64|
@@ -42,22 +42,18 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
 
     from grpolab import core
+    from grpolab.checks.gradients import float64_copy, logprob_distances
     from grpolab.checks.reference import float64_logprobs
     from grpolab.config import load_config
-    from grpolab.logprobs import token_logprobs
-    from grpolab.preflight import (
-        float64_copy,
-        logprob_distances,
-        sample_batch,
-        settings_from_config,
-    )
-    from grpolab.trainer import load_start_model, make_run, resolve_device
+    from grpolab.model.logprobs import token_logprobs
+    from grpolab.train.preflight import sample_batch
+    from grpolab.train.setup import build_run, load_start_model, resolve_device
 
     cfg = load_config(args.config, args.overrides)
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
-    run = make_run(cfg, model, tokenizer)
-    batch, _ = sample_batch(run, cfg)
-    temperature = settings_from_config(cfg).temperature
+    run = build_run(cfg, model, tokenizer)
+    batch, _ = sample_batch(run)
+    temperature = cfg.rollout.temperature
     model.eval()
     input_ids = batch.input_ids.clone()
     valid = batch.completion_mask[:, 1:].bool()

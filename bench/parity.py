@@ -77,11 +77,11 @@ def peers_path() -> Path:
 
 def build_batch(seed: int = 0) -> Batch:
     from grpolab import core
-    from grpolab.models import load_policy
+    from grpolab.model.policy import load_policy
     from grpolab.rollout.base import SamplingParams
     from grpolab.rollout.hf import HFEngine
-    from grpolab.setup import DEMO_MODEL_DIR
     from grpolab.tasks import TaskConfig, load_task
+    from grpolab.train.setup import DEMO_MODEL_DIR
 
     torch.manual_seed(seed)
     model, tokenizer = load_policy(str(DEMO_MODEL_DIR), dtype="float32", device="cpu")
@@ -168,8 +168,8 @@ def trl_side(batch: Batch, advantages: torch.Tensor | None = None, **config):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpolab.models import load_policy
-    from grpolab.setup import DEMO_MODEL_DIR
+    from grpolab.model.policy import load_policy
+    from grpolab.train.setup import DEMO_MODEL_DIR
 
     transformers.utils.logging.set_verbosity_error()
     model, tokenizer = load_policy(str(DEMO_MODEL_DIR), dtype="float32", device="cpu")

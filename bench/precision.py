@@ -93,9 +93,9 @@ def bench_kernels() -> tuple[dict, list[dict]]:
 STEP_CHILD = """
 import json, sys, time, torch
 from grpolab.config import load_config
-from grpolab.memory import fix_malloc_thresholds
-from grpolab.setup import build_run, load_start_model
-from grpolab.step import grpo_step
+from grpolab.model.memory import fix_malloc_thresholds
+from grpolab.train.setup import build_run, load_start_model
+from grpolab.train.step import grpo_step
 threads, steps, overrides = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 torch.set_num_threads(threads)
 fix_malloc_thresholds()  # as `grpolab train` runs its steps
@@ -153,7 +153,7 @@ def floor_seconds(row: dict, rates: dict, precision: str, params: dict) -> dict:
 
 def model_params() -> dict:
     from grpolab.config import load_config
-    from grpolab.setup import load_start_model
+    from grpolab.train.setup import load_start_model
 
     cfg = load_config(EXAMPLE, [])
     model, _ = load_start_model(cfg, torch.device("cpu"))

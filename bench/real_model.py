@@ -71,7 +71,7 @@ def run_child(code: str, *args: str, env: dict[str, str] | None = None) -> dict:
 
 LOAD_CHILD = """
 import json, sys, time
-from grpolab.models import load_policy
+from grpolab.model.policy import load_policy
 tic = time.perf_counter()
 load_policy(sys.argv[1], cache_dir=sys.argv[2] or None)
 print(json.dumps({"seconds": time.perf_counter() - tic}))
@@ -95,9 +95,9 @@ def bench_engines(
 
     from grpolab import core
     from grpolab.config import load_config
-    from grpolab.logprobs import token_logprobs
-    from grpolab.models import load_policy, resolve_model_source
-    from grpolab.precision import FP32, Precision, autocast
+    from grpolab.model.logprobs import token_logprobs
+    from grpolab.model.policy import load_policy, resolve_model_source
+    from grpolab.model.precision import FP32, Precision, autocast
     from grpolab.rollout import build_engine
     from grpolab.tasks import load_task
 

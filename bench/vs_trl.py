@@ -18,7 +18,7 @@ optimizer). A parity line checks, on one fixed batch (same weights, completions,
 that grpolab's loss equals TRL's `compute_loss` for each matching loss_type.
 
 A real pretrained model (`--model smollm2-135m-instruct`, a .gguf file or a Hugging Face
-directory, resolved by grpolab.models.resolve_model_source) runs the same side by side with
+directory, resolved by grpolab.model.policy.resolve_model_source) runs the same side by side with
 the settings of examples/smollm2-arithmetic.yaml unless a flag overrides them: its task
 (chat-template prompts "What is a op b? Answer with the number only.", operands 10-99), its
 reward (accuracy in math mode, grpolab's own function given to TRL), 8 prompts x G=8,
@@ -114,7 +114,8 @@ class Settings:
     threads: int = 1
     pairing: str = "matched"
     # "": the shipped warm-up model; else a packaged short name, a .gguf file or a Hugging Face
-    # directory (grpolab.models.resolve_model_source), run with REAL_EXAMPLE's task and reward.
+    # directory (grpolab.model.policy.resolve_model_source), run with REAL_EXAMPLE's task and
+    # reward.
     model: str = ""
     # None: each trainer's own default (grpolab off, TRL 1.16 on), as the warm-up runs keep it;
     # True / False: the same on both sides.
@@ -224,10 +225,10 @@ def example_settings(model: str) -> Settings:
 
 def trl_lora(s: Settings):
     """TRL's side of LoRA: the peft config grpolab itself trains with under these settings
-    (grpolab.lora.lora_config), or None for full fine-tuning."""
+    (grpolab.model.lora.lora_config), or None for full fine-tuning."""
     if not s.lora_r:
         return None
-    from grpolab.lora import lora_config
+    from grpolab.model.lora import lora_config
 
     return lora_config(grpolab_config(s, 0, "unused"))
 
@@ -258,8 +259,8 @@ def prompt_stream(s: Settings, seed: int) -> list[tuple[str, str]]:
 def load_demo_model():
     import transformers
 
-    from grpolab.models import load_policy
-    from grpolab.setup import DEMO_MODEL_DIR
+    from grpolab.model.policy import load_policy
+    from grpolab.train.setup import DEMO_MODEL_DIR
 
     transformers.utils.logging.disable_progress_bar()
 
@@ -272,7 +273,7 @@ def load_model(s: Settings):
         return load_demo_model()
     import transformers
 
-    from grpolab.models import load_policy
+    from grpolab.model.policy import load_policy
 
     transformers.utils.logging.disable_progress_bar()
     return load_policy(s.model, dtype="float32", device=torch.device("cpu"))
@@ -281,7 +282,7 @@ def load_model(s: Settings):
 def model_directory(s: Settings) -> str:
     """The Hugging Face directory behind s.model (a GGUF file or a packaged model converted
     once), what TRL loads itself."""
-    from grpolab.models import resolve_model_source
+    from grpolab.model.policy import resolve_model_source
 
     return resolve_model_source(s.model)
 
@@ -321,8 +322,8 @@ def peak_rss_mb() -> float:
 
 
 def run_grpolab(s: Settings, seed: int) -> WorkerResult:
-    from grpolab.setup import build_run
-    from grpolab.step import grpo_step
+    from grpolab.train.setup import build_run
+    from grpolab.train.step import grpo_step
 
     torch.set_num_threads(s.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -531,7 +532,7 @@ def trl_trainer_on_same_prompts(s: Settings, seed: int, output_dir: str, pairs):
     to grpolab's ids. The warm-up model is handed over loaded; a real model as its Hugging Face
     directory, which TRL loads (float32, its default) with its own tokenizer."""
     if s.model:
-        from grpolab.models import load_tokenizer
+        from grpolab.model.policy import load_tokenizer
 
         directory = model_directory(s)
         texts, ids = rendered_prompts(s, seed, load_tokenizer(directory), pairs)

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from grpolab.config import load_config
-from grpolab.setup import load_start_model, task_engine
 from grpolab.tasks import load_task
+from grpolab.train.setup import load_start_model, task_engine
 
 CONFIG = Path(__file__).with_name("tool-calculator.yaml")
 CALCULATOR = Path(__file__).with_name("calculator.py")

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from grpolab import dist as dist_module
 from grpolab.config import load_config, replaced
-from grpolab.setup import build_run, load_start_model
-from grpolab.step import collect, grpo_step
-from grpolab.trainer import train
+from grpolab.model import dist as dist_module
+from grpolab.train.loop import train
+from grpolab.train.setup import build_run, load_start_model
+from grpolab.train.step import collect, grpo_step
 
 MODES = ("sequence", "token", "constant")
 
@@ -87,7 +87,7 @@ def compiled_step(d, out: Path) -> dict[str, object]:
     """ddp: the "token" step of main() with runtime.torch_compile, whose layer parts compile
     inside DDP's forward (its small buckets are where Dynamo's DDP graph splitting failed):
     its gradients, and what made the fused log-prob path fall back to the naive one."""
-    from grpolab import logprobs
+    from grpolab.model import logprobs
 
     cfg = split_config("ddp", "token", out / "unused", accumulation=2)
     cfg = replaced(cfg, {"runtime.torch_compile": True})

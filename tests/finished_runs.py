@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
-from grpolab.checkpoint import latest_checkpoint
-from grpolab.models import load_policy
+from grpolab.model.policy import load_policy
+from grpolab.train.checkpoint import latest_checkpoint
 
 TIME_KEYS = ("time/", "tokens_per_s")  # wall-clock metrics: never equal between two runs
 

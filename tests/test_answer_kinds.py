@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from grpolab.checks.rewards import PROBES, check_reward_probes, check_tokenizer_coverage
+from grpolab.commands.report import write_report
+from grpolab.commands.warmup import sft_batch
 from grpolab.config import load_config
-from grpolab.evaluate import accuracy_rewards, evaluate_greedy, strict_correct
-from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_policy
-from grpolab.report import write_report
+from grpolab.model.policy import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_policy
 from grpolab.rewards import load_rewards
 from grpolab.rewards.probes import probe_task
 from grpolab.rollout.hf import HFEngine
 from grpolab.tasks import Example, TaskConfig, load_task
-from grpolab.trainer import train
-from grpolab.warmup import sft_batch
+from grpolab.train.evaluate import accuracy_rewards, evaluate_greedy, strict_correct
+from grpolab.train.loop import train
 
 FIXTURES = Path(__file__).parent / "data"
 TASKS = {

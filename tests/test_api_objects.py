@@ -21,9 +21,9 @@ from transformers import (
 
 from grpolab import GRPOConfig, GRPOTrainer
 from grpolab.config import ConfigError, load_config
-from grpolab.dist import Dist
-from grpolab.models import build_char_tokenizer, build_tiny_model, load_policy, load_tokenizer
-from grpolab.setup import DEMO_MODEL_DIR, prepare_model
+from grpolab.model.dist import Dist
+from grpolab.model.policy import build_char_tokenizer, build_tiny_model, load_policy, load_tokenizer
+from grpolab.train.setup import DEMO_MODEL_DIR, prepare_model
 
 DEMO_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 

@@ -13,13 +13,13 @@ import time
 import pytest
 import torch
 
-from grpolab.checkpoint import (
+from grpolab.model.policy import TinyModelSpec, build_char_tokenizer, build_tiny_model
+from grpolab.train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
-from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
 
 SPEC = TinyModelSpec(hidden_size=64, num_heads=2, num_layers=2)
 
@@ -28,8 +28,8 @@ SPEC = TinyModelSpec(hidden_size=64, num_heads=2, num_layers=2)
 SAVER = textwrap.dedent(
     """
     import sys, torch
-    from grpolab.checkpoint import save_checkpoint
-    from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
+    from grpolab.train.checkpoint import save_checkpoint
+    from grpolab.model.policy import TinyModelSpec, build_char_tokenizer, build_tiny_model
     tok = build_char_tokenizer("0123456789")
     model = build_tiny_model(tok, TinyModelSpec(hidden_size=64, num_heads=2, num_layers=2))
     step = 0

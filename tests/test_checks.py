@@ -14,7 +14,7 @@ from grpolab.checks.context import PreflightBatch, PreflightSettings
 from grpolab.checks.rewards import check_reward_probes
 from grpolab.checks.runner import blamed, goal_status, run_checks
 from grpolab.functions import ImplLoadError, load_impl
-from grpolab.models import build_char_tokenizer, build_tiny_model
+from grpolab.model.policy import build_char_tokenizer, build_tiny_model
 from grpolab.objective.profiles import profile_objective
 from grpolab.rewards import load_rewards
 from grpolab.rewards.probes import probe_rows, run_probes

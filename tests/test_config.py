@@ -168,7 +168,7 @@ def test_run_changes_name_what_changes_a_training_step():
 
 
 def test_overrides_move_behind_the_flags_and_resume_takes_only_a_path():
-    from grpolab.cli import build_parser, overrides_last
+    from grpolab.commands.cli import build_parser, overrides_last
 
     parser = build_parser()
 
@@ -262,10 +262,16 @@ INERT_CASES = [
     ["task.system_prompt=Be brief."],
     ["task.eval_fraction=0.1", "task.name=jsonl", "task.path=x.jsonl", "task.eval_path=y.jsonl"],
     ["objective.scale_rewards=batch", "objective.advantage_estimator=rloo"],
-    ["objective.advantage_eps=1e-6", "objective.advantage_estimator=rloo",
-     "objective.zero_std_guard=false"],
-    ["objective.advantage_std=sample", "objective.scale_rewards=none",
-     "objective.zero_std_guard=false"],
+    [
+        "objective.advantage_eps=1e-6",
+        "objective.advantage_estimator=rloo",
+        "objective.zero_std_guard=false",
+    ],
+    [
+        "objective.advantage_std=sample",
+        "objective.scale_rewards=none",
+        "objective.zero_std_guard=false",
+    ],
     ["objective.epsilon=0.1", "objective.loss_type=cispo", "objective.epsilon_high=5"],
     ["objective.delta=2", "objective.loss_type=cispo", "objective.epsilon_high=5"],
     ["objective.dual_clip=3", "objective.loss_type=sapo"],

@@ -26,7 +26,7 @@ from grpolab.checks.registry import BY_ID
 from grpolab.checks.runner import run_check, run_checks
 from grpolab.config import ConfigError, load_config, skips_zero_advantage
 from grpolab.functions import core_functions, load_impl
-from grpolab.models import build_char_tokenizer, build_tiny_model
+from grpolab.model.policy import build_char_tokenizer, build_tiny_model
 from grpolab.rollout import SamplingParams
 from grpolab.rollout.hf import HFEngine
 
@@ -144,7 +144,7 @@ class Batches:
 
 
 def false_alarms(batches: Batches, cfg) -> list[tuple[str, float, str]]:
-    from grpolab.preflight import settings_from_config
+    from grpolab.train.preflight import settings_from_config
 
     s = settings_from_config(cfg)
     batch = batches.get(cfg.batch.num_generations, cfg.rollout.temperature)
@@ -186,7 +186,7 @@ def test_grpolabs_own_functions_pass_every_check_under_sampled_configs(batches, 
 
 def mutant_misses(batches: Batches, cfg, mutant: str) -> str | None:
     """None when `mutant` fails its named check under cfg (or is no bug there), else why."""
-    from grpolab.preflight import settings_from_config
+    from grpolab.train.preflight import settings_from_config
 
     s = settings_from_config(cfg)
     check = CAUGHT_BY[mutant]

@@ -8,13 +8,13 @@ import pickle
 import pytest
 
 from grpolab.config import load_config, replaced
-from grpolab.conversation import Conversation
-from grpolab.models import build_char_tokenizer, build_tiny_model, save_policy
+from grpolab.model.policy import build_char_tokenizer, build_tiny_model, save_policy
 from grpolab.rewards import load_rewards, score
 from grpolab.rollout.common import render_prompt
 from grpolab.tasks import load_task
 from grpolab.tasks.base import Example, TaskConfig
-from grpolab.trainer import train
+from grpolab.tasks.conversation import Conversation
+from grpolab.train.loop import train
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

@@ -6,7 +6,7 @@ from layout import rollout_layout
 from tolerances import logprob_tolerance
 
 from grpolab import core
-from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
+from grpolab.model.policy import TinyModelSpec, build_char_tokenizer, build_tiny_model
 
 
 @pytest.fixture(scope="module")

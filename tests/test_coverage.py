@@ -12,11 +12,11 @@ from tokenizers import normalizers
 
 from grpolab.checks.registry import HINTS
 from grpolab.checks.rewards import check_tokenizer_coverage
-from grpolab.coverage import round_trip
-from grpolab.models import build_char_tokenizer, load_policy
-from grpolab.rollout_cli import run_rollout
-from grpolab.setup import DEMO_MODEL_DIR
+from grpolab.commands.rollout import run_rollout
+from grpolab.model.policy import build_char_tokenizer, load_policy
 from grpolab.tasks import SAMPLE_GSM8K, TaskConfig, load_task
+from grpolab.tasks.coverage import round_trip
+from grpolab.train.setup import DEMO_MODEL_DIR
 
 FIXTURES = Path(__file__).parent / "data"
 CAPITALS = TaskConfig(name="jsonl", path=str(FIXTURES / "capitals.jsonl"), num_eval=10)

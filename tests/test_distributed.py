@@ -28,11 +28,11 @@ from tolerances import (
     reduction_terms,
 )
 
-from grpolab.checkpoint import load_checkpoint
 from grpolab.config import ConfigError, load_config, validate_world
-from grpolab.setup import build_run, load_start_model
-from grpolab.step import grpo_step
-from grpolab.trainer import train
+from grpolab.train.checkpoint import load_checkpoint
+from grpolab.train.loop import train
+from grpolab.train.setup import build_run, load_start_model
+from grpolab.train.step import grpo_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_worker import MODES, demo_overrides, full_grads, split_config, vllm_overrides, vllm_steps

@@ -15,11 +15,11 @@ import pytest
 
 from grpolab import core
 from grpolab.checks import registry
-from grpolab.cli import main
+from grpolab.commands.cli import main
+from grpolab.commands.drill import hints, texts
+from grpolab.commands.drill.runner import FAIL, PASS, TODO, Workbench
+from grpolab.commands.drill.template import MY_GRPO
 from grpolab.core import CORE_FUNCTIONS
-from grpolab.drill import hints, texts
-from grpolab.drill.runner import FAIL, PASS, TODO, Workbench
-from grpolab.drill.template import MY_GRPO
 
 TESTS = Path(__file__).parent
 SOLUTION = (TESTS / "drill_solutions" / "my_grpo.py").read_text()

@@ -8,9 +8,9 @@ from pathlib import Path
 from finished_runs import assert_same_run, metric_rows
 
 from grpolab.checks.episodes import EPISODE_IDS
-from grpolab.cli import main
+from grpolab.commands.cli import main
 from grpolab.config import load_config
-from grpolab.trainer import train
+from grpolab.train.loop import train
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tool-calculator.yaml"
@@ -64,7 +64,7 @@ def test_rollout_json_shows_the_turns(capsys):
 def test_the_example_model_calls_the_calculator_with_the_exact_layout():
     import torch
 
-    from grpolab.setup import load_start_model, task_engine
+    from grpolab.train.setup import load_start_model, task_engine
 
     cfg = load_config(str(EXAMPLE), [CALCULATOR])
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))

@@ -13,7 +13,7 @@ from grpolab.checks.episodes import EPISODE_IDS, probe_episodes
 from grpolab.checks.registry import mutants
 from grpolab.checks.runner import run_episode_checks
 from grpolab.functions import load_episode_impl
-from grpolab.models import DEFAULT_CHARS, build_char_tokenizer, build_tiny_model
+from grpolab.model.policy import DEFAULT_CHARS, build_char_tokenizer, build_tiny_model
 from grpolab.rollout.base import SamplingParams
 from grpolab.rollout.episodes import (
     EpisodeFunctions,
@@ -283,9 +283,9 @@ def test_each_episode_mutant_fails_its_named_check(model, probe_batch, mutant):
 
 
 def test_the_tool_warmup_rows_mask_the_tool_turn_as_training_does():
+    from grpolab.commands.warmup import TOOL_CHARS, tool_sft_rows
     from grpolab.rollout.episodes import ToolTurnRenderer
     from grpolab.tasks.arithmetic import make_example
-    from grpolab.warmup import TOOL_CHARS, tool_sft_rows
 
     tok = build_char_tokenizer(TOOL_CHARS)
     example = make_example(123, "*", 456)

@@ -12,7 +12,7 @@ import pytest
 from grpolab.checks.episodes import probe_episodes
 from grpolab.checks.runner import run_episode_checks
 from grpolab.functions import load_episode_impl
-from grpolab.models import load_policy, resolve_model_source
+from grpolab.model.policy import load_policy, resolve_model_source
 from grpolab.rollout import SamplingParams
 from grpolab.rollout.episodes import EpisodeSetup, ProbeEnvironment, template_glue
 from grpolab.rollout.hf import HFEngine

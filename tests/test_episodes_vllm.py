@@ -13,7 +13,7 @@ from tolerances import logprob_tolerance
 from grpolab import core
 from grpolab.checks.episodes import probe_episodes
 from grpolab.checks.runner import run_episode_checks
-from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
+from grpolab.model.policy import TinyModelSpec, build_char_tokenizer, build_tiny_model
 from grpolab.rollout import RolloutConfig, SamplingParams
 from grpolab.rollout.episodes import EpisodeSetup, ProbeEnvironment
 from grpolab.rollout.vllm import VLLMEngineConfig

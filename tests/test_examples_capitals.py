@@ -34,7 +34,7 @@ def test_the_capitals_reward_pays_in_full_only_what_the_strict_judge_calls_right
     strict judge (the example's accuracy) calls right."""
     import importlib.util
 
-    from grpolab.strict import strict_equal
+    from grpolab.tasks.strict import strict_equal
 
     path = ROOT / "examples" / "capitals_reward.py"
     spec = importlib.util.spec_from_file_location("capitals_reward", path)

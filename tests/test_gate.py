@@ -5,7 +5,7 @@ import json
 import re
 from pathlib import Path
 
-from grpolab.cli import main
+from grpolab.commands.cli import main
 
 MUTANTS = Path(__file__).parent / "mutants"
 TINY = [

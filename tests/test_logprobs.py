@@ -1,4 +1,4 @@
-"""grpolab.logprobs: the chunked lm-head against the seed's full-logits path.
+"""grpolab.model.logprobs: the chunked lm-head against the seed's full-logits path.
 
 Tolerances: float32 values and gradients equal the naive path to 1e-5 (absolute and
 relative); bfloat16 log-probs to 1e-4 (both paths round the logits to bfloat16 the same way,
@@ -16,7 +16,7 @@ from layout import rollout_layout
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM
 
 from grpolab import core
-from grpolab.logprobs import (
+from grpolab.model.logprobs import (
     MIN_VOCAB_CHUNK,
     Chunks,
     choose_chunks,
@@ -25,7 +25,7 @@ from grpolab.logprobs import (
     split_model,
     token_logprobs,
 )
-from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
+from grpolab.model.policy import TinyModelSpec, build_char_tokenizer, build_tiny_model
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 

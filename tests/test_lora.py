@@ -13,14 +13,14 @@ from tolerances import assert_float32_close, float32_tolerance, logprob_toleranc
 pytest.importorskip("peft")
 
 from grpolab import core
-from grpolab.checkpoint import ADAPTER_DIR, save_checkpoint
 from grpolab.config import ConfigError, load_config, validate_world
-from grpolab.lora import is_lora
-from grpolab.models import load_policy
-from grpolab.preflight import preflight
-from grpolab.setup import build_run, load_start_model
-from grpolab.step import grpo_step
-from grpolab.trainer import train
+from grpolab.model.lora import is_lora
+from grpolab.model.policy import load_policy
+from grpolab.train.checkpoint import ADAPTER_DIR, save_checkpoint
+from grpolab.train.loop import train
+from grpolab.train.preflight import preflight
+from grpolab.train.setup import build_run, load_start_model
+from grpolab.train.step import grpo_step
 
 TINY = [
     "batch.prompts_per_step=4",

@@ -1,6 +1,7 @@
 """The profiles and the menu in a real training step: config resolution, dynamic sampling,
 truncated completions, and what a user's functions must take."""
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -8,12 +9,12 @@ import torch
 
 from grpolab import core
 from grpolab.config import ConfigError, load_config
-from grpolab.functions import load_impl
-from grpolab.models import build_char_tokenizer, build_tiny_model
+from grpolab.functions import as_called, load_impl
+from grpolab.model.policy import build_char_tokenizer, build_tiny_model
 from grpolab.rollout.base import SamplingParams
 from grpolab.rollout.hf import HFEngine
-from grpolab.setup import build_run, load_start_model
-from grpolab.step import cat_rollouts, grpo_step
+from grpolab.train.setup import build_run, load_start_model
+from grpolab.train.step import cat_rollouts, grpo_step
 
 MUTANTS = Path(__file__).parent / "mutants"
 TINY = [
@@ -126,3 +127,22 @@ def test_a_seed_signature_impl_runs_under_any_profile_but_not_a_menu_option(tmp_
     advantages = load_impl(MUTANTS / "population_std.py")
     with pytest.raises(ValueError, match=r"objective\.advantage_estimator=rloo"):
         _run(tmp_path / "rloo", "objective.advantage_estimator=rloo", functions=advantages)
+
+
+def test_a_users_functions_are_adapted_once_and_keep_their_signature(tmp_path):
+    impl = load_impl(Path(__file__).parent / "impls" / "trl_advantages.py")  # no std, no valid
+    adapted = as_called(impl)
+    written = inspect.signature(impl.group_advantages)
+    assert inspect.signature(adapted.group_advantages) == written  # what the checks read
+    assert adapted.grpo_loss is impl.grpo_loss  # grpolab's takes every keyword: not wrapped
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.0, 1.0])
+    passed_all = adapted.group_advantages(
+        rewards, 4, std="sample", zero_std_guard=True, valid=torch.ones(8, dtype=torch.bool)
+    )
+    assert torch.equal(passed_all, impl.group_advantages(rewards, 4))
+    with pytest.raises(TypeError):  # a keyword it may not leave out still reaches it
+        adapted.group_advantages(rewards, 4, estimator="rloo")
+    run = _run(tmp_path, functions=impl)
+    metrics, _ = grpo_step(run, 1)
+    assert run.functions.source["group_advantages"].endswith("trl_advantages.py")
+    assert "loss" in metrics

@@ -2,7 +2,7 @@
 
 import pytest
 
-from grpolab.models import build_char_tokenizer, build_tiny_model, load_policy, save_policy
+from grpolab.model.policy import build_char_tokenizer, build_tiny_model, load_policy, save_policy
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(tmp_path):

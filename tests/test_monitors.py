@@ -6,13 +6,13 @@ import math
 import pytest
 from tolerances import EPS32, logprob_tolerance
 
-from grpolab.checkpoint import latest_checkpoint
 from grpolab.config import load_config
-from grpolab.models import load_policy, save_policy
-from grpolab.monitors import MonitorLimits, MonitorStop, RewardDivergence, check_step
-from grpolab.preflight import PreflightFailed
-from grpolab.setup import DEMO_MODEL_DIR
-from grpolab.trainer import train
+from grpolab.model.policy import load_policy, save_policy
+from grpolab.train.checkpoint import latest_checkpoint
+from grpolab.train.loop import train
+from grpolab.train.monitors import MonitorLimits, MonitorStop, RewardDivergence, check_step
+from grpolab.train.preflight import PreflightFailed
+from grpolab.train.setup import DEMO_MODEL_DIR
 
 HEALTHY = {
     "skipped": 0,
@@ -228,8 +228,8 @@ def test_under_bf16_the_mean_engine_gap_is_watched_not_its_rounding_tail():
     temperature, other weights) does. Under fp32 the max stays watched at 1e-3."""
     from types import SimpleNamespace
 
-    from grpolab.monitors import limits_for
-    from grpolab.precision import FP32, Precision
+    from grpolab.model.precision import FP32, Precision
+    from grpolab.train.monitors import limits_for
 
     trainer = SimpleNamespace(clip_frac_max=0.3, zero_std_max=0.95, reward_strict_gap=0.1)
     bf16 = limits_for(trainer, "float32", Precision("bf16", "test"))

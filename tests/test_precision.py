@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpolab.models import build_char_tokenizer, build_tiny_model
-from grpolab.precision import (
+from grpolab.model.policy import build_char_tokenizer, build_tiny_model
+from grpolab.model.precision import (
     CPU_FLOAT32_ATTENTION_MAX_KEYS,
     Precision,
     autocast,
@@ -136,7 +136,7 @@ def lora_engine():
     """A tiny LoRA model whose adapters are not zero (peft starts B at 0), its bf16 engine."""
     pytest.importorskip("peft")
     from grpolab.config import load_config
-    from grpolab.lora import wrap_lora
+    from grpolab.model.lora import wrap_lora
 
     model, tokenizer, _ = tiny_engine()
     model = wrap_lora(model, load_config(None, ["lora.r=4"]))
@@ -162,7 +162,7 @@ def test_a_lora_engine_samples_from_merged_bf16_copies_as_close_to_float64_as_pl
     import copy
 
     from grpolab.checks.tolerance import precision_tolerance
-    from grpolab.lora import lora_layers
+    from grpolab.model.lora import lora_layers
 
     model, tokenizer, engine = lora_engine()
     copies = engine.merged_copies(model)

@@ -116,8 +116,8 @@ def test_reward_variance_is_judged_on_a_training_steps_worth_of_groups():
     from grpolab.checks.registry import BY_ID
     from grpolab.checks.runner import run_check
     from grpolab.config import load_config
-    from grpolab.preflight import sample_batch, settings_from_config
-    from grpolab.setup import build_run, load_start_model
+    from grpolab.train.preflight import sample_batch, settings_from_config
+    from grpolab.train.setup import build_run, load_start_model
 
     cfg = load_config(None, ["batch.prompts_per_step=8", "batch.num_generations=8"])
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))

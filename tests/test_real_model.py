@@ -21,7 +21,7 @@ from need_vllm import require_vllm
 
 from grpolab import core
 from grpolab.config import load_config
-from grpolab.models import (
+from grpolab.model.policy import (
     GGUF_SOURCE_FILE,
     PACKAGED_MODELS,
     ModelUnavailable,
@@ -30,9 +30,9 @@ from grpolab.models import (
     packaged_gguf,
     resolve_model_source,
 )
-from grpolab.monitors import MonitorLimits
 from grpolab.rollout import SamplingParams, build_engine
 from grpolab.rollout.common import render_prompt
+from grpolab.train.monitors import MonitorLimits
 
 NAME = "smollm2-135m-instruct"
 PROMPTS = ["What is 2 + 2?", "What is 37 + 48?"]
@@ -116,7 +116,7 @@ def test_a_gguf_path_and_a_folder_plus_gguf_file_resolve_to_the_same_directory(r
 
 
 def test_missing_package_or_reader_is_a_one_line_error(monkeypatch, tmp_path):
-    from grpolab.models import PackagedModel
+    from grpolab.model.policy import PackagedModel
 
     monkeypatch.setitem(
         PACKAGED_MODELS, "absent-model", PackagedModel("absent-dist", "absent_pkg", "x.gguf")
@@ -208,8 +208,8 @@ def check_engine_logprobs(model, r):
 def test_one_training_step_on_the_real_model(real, tmp_path):
     """grpo_step end to end: rollout, rewards, the fused log-probs, AdamW. A reward that
     alternates within each group makes every advantage non-zero, so the step must move."""
-    from grpolab.setup import build_run
-    from grpolab.step import grpo_step
+    from grpolab.train.setup import build_run
+    from grpolab.train.step import grpo_step
 
     model, tokenizer, _ = real
     rewards = tmp_path / "alternating.py"
@@ -237,8 +237,8 @@ def test_preflight_on_the_real_model(real):
     """Every preflight check on the real model, a real chat-template batch and the honest
     accuracy reward, with the trainer's own (fused) log-probs: each agreement check holds
     them to a float64 copy of the model, no fixed tolerance."""
-    from grpolab.preflight import run_preflight
-    from grpolab.setup import build_run
+    from grpolab.train.preflight import run_preflight
+    from grpolab.train.setup import build_run
 
     model, tokenizer, _ = real
     cfg = load_config(None, [*SMALL, "rollout.max_completion_length=16"])

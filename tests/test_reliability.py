@@ -18,7 +18,7 @@ import pytest
 import yaml
 from finished_runs import assert_same_run, metric_rows
 
-from grpolab.checkpoint import latest_checkpoint, list_checkpoints
+from grpolab.train.checkpoint import latest_checkpoint, list_checkpoints
 
 RUN = [
     "batch.prompts_per_step=4",
@@ -292,7 +292,7 @@ def test_flags_and_overrides_in_any_order(finished_run, tmp_path):
     ],
 )
 def test_user_mistakes_end_in_one_line_naming_what_is_wrong(args, expected, capsys):
-    from grpolab.cli import main
+    from grpolab.commands.cli import main
 
     rc = main(args)
     err = capsys.readouterr().err

@@ -11,9 +11,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from grpolab.cli import main
-from grpolab.report import plot_rows, read_run, sample_completions, write_report
-from grpolab.report_plots import COLOURS, PanelSpec, constant_reasons, plan_figures, plan_panels
+from grpolab.commands.cli import main
+from grpolab.commands.report import plot_rows, read_run, sample_completions, write_report
+from grpolab.commands.report_plots import (
+    COLOURS,
+    PanelSpec,
+    constant_reasons,
+    plan_figures,
+    plan_panels,
+)
 
 
 def write_run(run_dir, completions):

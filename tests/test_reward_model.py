@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from grpolab.checks.rewards import check_reward_probes
-from grpolab.models import build_char_tokenizer, build_tiny_model, save_policy
+from grpolab.model.policy import build_char_tokenizer, build_tiny_model, save_policy
 from grpolab.rewards import RewardModel, RewardsConfig, load_rewards, score
 from grpolab.rewards.probes import run_probes
 from grpolab.tasks.base import Example

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from grpolab.checks.rewards import PROBES, check_reward_probes
-from grpolab.models import build_char_tokenizer
+from grpolab.model.policy import build_char_tokenizer
 from grpolab.rewards import RewardsConfig, load_rewards
 from grpolab.rewards.probes import (
     NO_ANSWERS,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpolab.models import build_char_tokenizer
+from grpolab.model.policy import build_char_tokenizer
 from grpolab.rewards import RewardsConfig, load_rewards, score
 from grpolab.rewards.builtin import (
     accuracy_exact,
@@ -22,8 +22,8 @@ from grpolab.rewards.builtin import (
     text_equal,
 )
 from grpolab.rollout.common import assemble_rollout
-from grpolab.strict import strict_equal
 from grpolab.tasks import SAMPLE_GSM8K, Example, TaskConfig, load_task
+from grpolab.tasks.strict import strict_equal
 
 TOK = build_char_tokenizer()
 FIXTURES = Path(__file__).parent / "data"

@@ -7,7 +7,7 @@ import torch
 from tolerances import logprob_tolerance
 
 from grpolab import core
-from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
+from grpolab.model.policy import TinyModelSpec, build_char_tokenizer, build_tiny_model
 from grpolab.rollout import SamplingParams
 from grpolab.rollout.common import SAMPLERS
 from grpolab.rollout.hf import HFEngine
@@ -204,7 +204,7 @@ def test_bad_prompts(model, tokenizer):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from grpolab.models import save_policy
+    from grpolab.model.policy import save_policy
 
     tok = build_char_tokenizer()
     path = tmp_path_factory.mktemp("policy")
@@ -215,7 +215,7 @@ def model_dir(tmp_path_factory):
 def test_rollout_command_json(model_dir, capsys):
     import json
 
-    from grpolab.rollout_cli import main
+    from grpolab.commands.rollout import main
     from grpolab.tasks import SAMPLE_GSM8K
 
     args = [
@@ -242,7 +242,7 @@ def test_rollout_command_json(model_dir, capsys):
 
 
 def test_rollout_command_table_and_errors(model_dir, capsys):
-    from grpolab.rollout_cli import main
+    from grpolab.commands.rollout import main
 
     assert main(["--n-prompts", "1", f"model.name_or_path={model_dir}",
                  "batch.num_generations=2", "rollout.max_completion_length=4"]) == 0  # fmt: skip

@@ -14,7 +14,7 @@ from need_vllm import require_vllm
 from tolerances import logprob_tolerance
 
 from grpolab import core
-from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
+from grpolab.model.policy import TinyModelSpec, build_char_tokenizer, build_tiny_model
 from grpolab.rollout import RolloutConfig, SamplingParams
 from grpolab.rollout.vllm import VLLMEngineConfig
 
@@ -172,4 +172,3 @@ def test_the_canary_catches_a_stale_prefix_cache(trained):
         engine.check_sync(model)
     engine.sync_weights(model)  # the faithful sync resets the cache: agreement again
     assert engine.last_sync_gap <= logprob_tolerance(model)
-

@@ -9,14 +9,14 @@ from layout import rollout_layout
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from grpolab import core
-from grpolab.logprobs import (
+from grpolab.model.logprobs import (
     MAX_SUFFIX_BUCKETS,
     plan_shared_prefix,
     shared_prefix_status,
     suffix_buckets,
     token_logprobs,
 )
-from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
+from grpolab.model.policy import TinyModelSpec, build_char_tokenizer, build_tiny_model
 from grpolab.rollout import SamplingParams
 from grpolab.rollout.hf import HFEngine, truncate
 

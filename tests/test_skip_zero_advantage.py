@@ -17,7 +17,7 @@ from grpolab.checks.registry import BY_ID, mutants
 from grpolab.checks.runner import run_check
 from grpolab.config import ConfigError, load_config, objective_of, skips_zero_advantage
 from grpolab.functions import core_functions, load_impl
-from grpolab.trainer import train
+from grpolab.train.loop import train
 
 MUTANTS = Path(__file__).parent / "mutants"
 SKIP = BY_ID["update.skip_invariance"]

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-import grpolab.strict
-from grpolab.evaluate import strict_correct
-from grpolab.strict import strict_answer, strict_equal
+import grpolab.tasks.strict
+from grpolab.tasks.strict import strict_answer, strict_equal
+from grpolab.train.evaluate import strict_correct
 
 
 @pytest.mark.parametrize(
@@ -58,7 +58,7 @@ def test_strict_equal_normalises_numbers_only():
 
 def test_the_strict_check_shares_no_code_with_the_rewards():
     # It is the independent measurement: a bug in the reward code cannot also bend it.
-    tree = ast.parse(Path(grpolab.strict.__file__).read_text())
+    tree = ast.parse(Path(grpolab.tasks.strict.__file__).read_text())
     imported = {
         alias.name if isinstance(node, ast.Import) else node.module
         for node in ast.walk(tree)

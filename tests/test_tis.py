@@ -11,8 +11,8 @@ from tolerances import logprob_tolerance
 from grpolab.config import ConfigError, load_config
 from grpolab.functions import load_impl
 from grpolab.rollout.hf import HFEngine
-from grpolab.setup import build_run, load_start_model
-from grpolab.step import grpo_step
+from grpolab.train.setup import build_run, load_start_model
+from grpolab.train.step import grpo_step
 
 TINY = [
     "batch.prompts_per_step=4",

@@ -11,15 +11,15 @@ from finished_runs import assert_same_run
 from tolerances import assert_gradients_close, logprob_tolerance, reduction_terms
 
 from grpolab import core
-from grpolab.checkpoint import latest_checkpoint, save_checkpoint
-from grpolab.cli import main
+from grpolab.commands.cli import main
 from grpolab.config import load_config
 from grpolab.functions import core_functions
-from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model, load_policy
-from grpolab.monitors import NonFiniteError
-from grpolab.setup import build_run, load_start_model, lr_lambda
-from grpolab.step import grpo_step
-from grpolab.trainer import train
+from grpolab.model.policy import TinyModelSpec, build_char_tokenizer, build_tiny_model, load_policy
+from grpolab.train.checkpoint import latest_checkpoint, save_checkpoint
+from grpolab.train.loop import train
+from grpolab.train.monitors import NonFiniteError
+from grpolab.train.setup import build_run, load_start_model, lr_lambda
+from grpolab.train.step import grpo_step
 
 SMALL = [
     "batch.prompts_per_step=4",
@@ -266,7 +266,7 @@ def test_eval_command(capsys):
 
 
 def test_warmup_is_deterministic_and_loadable(tmp_path):
-    from grpolab.warmup import WarmupConfig, warmup
+    from grpolab.commands.warmup import WarmupConfig, warmup
 
     accs = [
         warmup(tmp_path / f"w{i}", WarmupConfig(steps=2, num_threads=0, eval_examples=32))

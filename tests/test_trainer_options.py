@@ -7,9 +7,9 @@ import torch
 from tolerances import assert_gradients_close, gradient_norm_tolerance, reduction_terms
 
 from grpolab.config import ConfigError, load_config, load_notes
-from grpolab.precision import resolve_precision
-from grpolab.setup import build_run, load_start_model
-from grpolab.step import grpo_step
+from grpolab.model.precision import resolve_precision
+from grpolab.train.setup import build_run, load_start_model
+from grpolab.train.step import grpo_step
 
 
 def small_run_config(output_dir, *overrides: str):
@@ -133,7 +133,7 @@ def test_auto_precision_is_bf16_exactly_where_the_device_multiplies_bf16_nativel
 def test_torch_compile_compiles_the_layer_parts_and_changes_nothing(tmp_path):
     """runtime.torch_compile: the MLP and norms of each decoder layer compiled (attention, which
     takes the KV cache, stays eager); each of two steps gives the eager model's gradient."""
-    from grpolab.setup import compile_decoder_layers
+    from grpolab.train.setup import compile_decoder_layers
 
     runs = {}
     for on in (False, True):

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from grpolab.cli import main
+from grpolab.commands.cli import main
 
 TINY = [
     "max_steps=5",
@@ -19,7 +19,7 @@ TINY = [
     "logging.progress=false",
 ]
 
-REWARDS = '''
+REWARDS = """
 CALLS = [0]
 
 
@@ -38,7 +38,7 @@ def flaky(completions, **columns):
     if 2 <= CALLS[0] <= 3:
         raise RuntimeError("the grader is down")
     return [0.0] * len(completions)
-'''
+"""
 
 
 @pytest.fixture
@@ -204,9 +204,9 @@ def test_eval_of_a_checkpoint_uses_its_runs_task_and_config(tmp_path, capsys):
 
 
 def test_an_evaluation_prints_its_progress(tmp_path, capsys, monkeypatch):
-    from grpolab import trainer
+    from grpolab.train import loop
 
-    monkeypatch.setattr(trainer, "EVAL_PROGRESS_SECONDS", 0.0)  # a line after every batch
+    monkeypatch.setattr(loop, "EVAL_PROGRESS_SECONDS", 0.0)  # a line after every batch
     out = tmp_path / "run"
     args = ["train", f"output_dir={out}", *TINY, "max_steps=1", "eval.eval_examples=24"]
     assert main([*args, "--skip-preflight"]) == 0

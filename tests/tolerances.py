@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from grpolab.models import base_model
+from grpolab.model.policy import base_model
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 EPS64 = torch.finfo(torch.float64).eps  # 2.22e-16

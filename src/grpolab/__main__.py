@@ -1,5 +1,5 @@
 try:
-    from grpolab.cli import main
+    from grpolab.commands.cli import main
 except KeyboardInterrupt:  # Ctrl-C while Python reads the command line's module
     import os
     import sys

@@ -3,7 +3,7 @@
     from grpolab import GRPOConfig, GRPOTrainer
     trainer = GRPOTrainer(model="demo", reward_funcs=my_reward, train_dataset=rows,
                           args=GRPOConfig(learning_rate=3e-4, num_generations=8, max_steps=20))
-    summary = trainer.train()   # preflight, then grpolab.trainer.train
+    summary = trainer.train()   # preflight, then grpolab.train.loop.train
 
 GRPOConfig takes TRL's field names (TRL_KEYS maps each onto grpolab's config tree) and any
 grpolab key by its dotted name (`GRPOConfig(**{"task.answer_kind": "string"})`); a name that is
@@ -38,11 +38,11 @@ from grpolab.config import (
     load_config,
     replaced,
 )
-from grpolab.models import load_tokenizer, save_policy
-from grpolab.preflight import preflight
+from grpolab.model.policy import load_tokenizer, save_policy
 from grpolab.rewards import RewardModel
-from grpolab.setup import load_start_model, model_source
-from grpolab.trainer import run_eval, train
+from grpolab.train.loop import run_eval, train
+from grpolab.train.preflight import preflight
+from grpolab.train.setup import load_start_model, model_source
 
 # TRL's GRPOConfig field -> grpolab's dotted key, where the two mean the same thing. The one
 # home of this mapping. Batch sizes are derived (`_batch_overrides`), not mapped one to one.
@@ -156,7 +156,7 @@ RewardFuncs = str | Callable[..., Any] | Iterable[str | Callable[..., Any]]
 
 class GRPOTrainer:
     """TRL's GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset,
-    processing_class, peft_config) over grpolab.trainer.train.
+    processing_class, peft_config) over grpolab.train.loop.train.
 
     `model`: a hub id, a local directory, a .gguf file, a packaged model's short name, "demo" /
     None for the built-in demo model, or a loaded transformers causal LM (the class
@@ -237,9 +237,7 @@ class GRPOTrainer:
         if lora_keys is not None:
             config = self.config  # the model as named (a GGUF file's source included)
             modules = (lambda: model) if not named else (lambda: _skeleton(config))
-            lora_keys["lora.target_modules"] = _lora_targets(
-                peft_config.target_modules, modules
-            )
+            lora_keys["lora.target_modules"] = _lora_targets(peft_config.target_modules, modules)
             more += [f"{k}={_text(v)}" for k, v in lora_keys.items()]
         if more:
             self.config = _config(args, [*overrides, *more], lora=lora)
@@ -279,7 +277,7 @@ class GRPOTrainer:
         return str(path)
 
     def train(self, **kwargs: Any) -> dict[str, Any]:
-        """The preflight, then training (grpolab.trainer.train's keywords: resume=,
+        """The preflight, then training (grpolab.train.loop.train's keywords: resume=,
         overwrite=, skip_preflight=, ...); returns the run's summary."""
         return train(self.config, **kwargs)
 

@@ -1,7 +1,7 @@
 """Which core functions run: chosen here, once, for the trainer, the preflight, `--impl` and
 the drill alike.
 
-grpolab's own table is `grpolab.core` with the log-probs of `grpolab.logprobs` (the fused
+grpolab's own table is `grpolab.core` with the log-probs of `grpolab.model.logprobs` (the fused
 path unless `logprobs="naive"`); a user's file (`--impl`, the drill's `my_grpo.py`) replaces
 any of the six functions it defines (and of the step's four others: `tis_weights`,
 `informative_groups`, `truncation_mask`, and the micro-batch scaling `micro_batch_scale`), and
@@ -10,13 +10,18 @@ the rest stay grpolab's.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
+import inspect
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from grpolab.core import CORE_FUNCTIONS, MENU_FUNCTIONS, CoreFunctions
-from grpolab.logprobs import token_logprobs
+from grpolab.model.logprobs import token_logprobs
+from grpolab.objective import CONVENTION_KWARGS
 from grpolab.rollout.episodes import EPISODE_FUNCTIONS, EpisodeFunctions
 
 # "core" is the old name of the naive path: the same code.
@@ -49,7 +54,7 @@ def core_functions(
             )
 
         table.sequence_logprobs = sequence_logprobs
-        table.source["sequence_logprobs"] = "grpolab.logprobs (fused)"
+        table.source["sequence_logprobs"] = "grpolab.model.logprobs (fused)"
     if user is not None:
         for name, source in user.source.items():
             if source != "grpolab":
@@ -57,6 +62,46 @@ def core_functions(
                 table.source[name] = source
         table.path = user.path
     return table
+
+
+# Keywords a step passes that a user's function may leave out of its signature: the
+# conventions (the preflight checks it computes the declared one), the entropy, which only the
+# entropy bonus reads (the preflight requires it then), and the request for it.
+OPTIONAL_KEYWORDS = {
+    "grpo_loss": frozenset(CONVENTION_KWARGS) | {"entropy"},
+    "group_advantages": frozenset(CONVENTION_KWARGS),
+    "sequence_logprobs": frozenset({"return_entropy"}),
+}
+
+
+def called_as_written(fn: Callable, optional: frozenset[str]) -> Callable:
+    """`fn`, dropping the `optional` keywords its signature does not take; `fn` itself when
+    it takes them all (or any keyword). The signature is read here, once, not on every call."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or extension: passed everything
+        return fn
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn
+    dropped = optional - set(params)
+    if not dropped:
+        return fn
+
+    @functools.wraps(fn)  # inspect.signature still sees fn's own
+    def call(*args, **kwargs):
+        return fn(*args, **{k: v for k, v in kwargs.items() if k not in dropped})
+
+    return call
+
+
+def as_called(table: CoreFunctions) -> CoreFunctions:
+    """`table` with each function the step passes optional keywords to adapted once, by
+    `called_as_written`, so the step passes them all."""
+    adapted = {
+        name: called_as_written(getattr(table, name), optional)
+        for name, optional in OPTIONAL_KEYWORDS.items()
+    }
+    return dataclasses.replace(table, source=dict(table.source), **adapted)
 
 
 class ImplLoadError(Exception):

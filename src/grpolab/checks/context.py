@@ -19,8 +19,8 @@ from grpolab import core
 from grpolab.check import Check, CheckResult, result_of
 from grpolab.checks import reference
 from grpolab.core import CoreFunctions, Objective
+from grpolab.model.precision import FP32, Precision
 from grpolab.objective.base import max_abs
-from grpolab.precision import FP32, Precision
 
 
 @dataclass

@@ -19,7 +19,7 @@ from grpolab.checks.reference import float64_logprobs
 from grpolab.checks.tolerance import precision_tolerance, tolerance_text
 from grpolab.config import skips_zero_advantage
 from grpolab.core import CoreFunctions
-from grpolab.precision import Precision, autocast
+from grpolab.model.precision import Precision, autocast
 
 # Rows per float64 forward with grad: its activations and [rows, T, V] logits stay small.
 REFERENCE_ROWS = 4
@@ -257,7 +257,7 @@ def skip_invariance(ctx):
 def fused_vs_naive(ctx):
     """The trainer's memory-efficient log-probs and the seed's code, each against a float64
     copy of the model: values and the gradient reaching the model's parameters."""
-    from grpolab.logprobs import shared_prefix_status, split_model, token_logprobs
+    from grpolab.model.logprobs import shared_prefix_status, split_model, token_logprobs
 
     s, model = ctx.settings, ctx.model
     batch = float64_rows(ctx.batch, s)

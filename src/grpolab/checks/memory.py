@@ -4,14 +4,13 @@ and from what the run holds (`memory.MemoryBreakdown`), against this machine's m
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 
 import torch
 
 from grpolab.check import Check
-from grpolab.memory import (
+from grpolab.model.memory import (
     MB,
     MemoryBreakdown,
     adamw_state_mb,
@@ -22,7 +21,7 @@ from grpolab.memory import (
     tensor_mb,
     total_memory_mb,
 )
-from grpolab.models import base_model
+from grpolab.model.policy import base_model
 from grpolab.rollout.common import encode_prompts
 
 
@@ -102,14 +101,11 @@ def memory_breakdown(run, tokens: int, probe_growth: float) -> MemoryBreakdown:
         release_freed_memory()
         runtime = (rss_mb() or 0.0) - weights - reference
     dtype = next(model.parameters()).dtype
-    if cfg.rollout.engine == "vllm":
-        # Its own copy of the weights and, on CPU, VLLM_CPU_KVCACHE_SPACE GiB of KV cache.
-        space = 0.0 if device.type == "cuda" else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
-        rollout = weights + space * 1024
-    else:
-        eval_length = cfg.eval.eval_max_completion_length or cfg.rollout.max_completion_length
-        longest = tokens + max(0, eval_length - cfg.rollout.max_completion_length)
-        rollout = kv_cache_mb(base_model(model).config, cfg.batch_size, longest, dtype)
+    eval_length = cfg.eval.eval_max_completion_length or cfg.rollout.max_completion_length
+    longest = tokens + max(0, eval_length - cfg.rollout.max_completion_length)
+    kv_cache = kv_cache_mb(base_model(model).config, cfg.batch_size, longest, dtype)
+    # What the configured engine holds while it samples: its own section's memory model.
+    rollout = cfg.rollout.engine_section.memory_mb(weights, kv_cache, device)
     return MemoryBreakdown(
         runtime=max(0.0, runtime),
         weights=weights,

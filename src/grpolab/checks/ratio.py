@@ -9,7 +9,7 @@ from grpolab import core
 from grpolab.check import Check
 from grpolab.checks.context import grad_rows, signed_advantages
 from grpolab.checks.tolerance import precision_tolerance, tolerance_text
-from grpolab.models import eval_mode
+from grpolab.model.policy import eval_mode
 from grpolab.objective.base import max_abs
 
 

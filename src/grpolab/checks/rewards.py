@@ -12,9 +12,9 @@ import torch
 
 from grpolab import seeds
 from grpolab.check import Check, CheckResult, Mutant, result_of
-from grpolab.coverage import coverage_measurement
 from grpolab.rewards import probes, score
 from grpolab.rewards.probes import ProbeReport, probe_task
+from grpolab.tasks.coverage import coverage_measurement
 
 
 def coverage(ctx):

@@ -12,7 +12,7 @@ from grpolab.checks.episodes import EpisodeBatch, Episodes
 from grpolab.checks.registry import ALL, BY_ID, MOVED
 from grpolab.core import CoreFunctions
 from grpolab.functions import impl_error_line
-from grpolab.models import eval_mode
+from grpolab.model.policy import eval_mode
 from grpolab.rollout.episodes import EpisodeFunctions
 
 

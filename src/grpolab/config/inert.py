@@ -12,7 +12,7 @@ from typing import Any
 
 from grpolab.config.sections import LoraConfig, MonitorsConfig
 from grpolab.config.tree import Config, ConfigError, ModelConfig, get, with_values
-from grpolab.models import PACKAGED_MODELS
+from grpolab.model.policy import PACKAGED_MODELS
 from grpolab.objective import PROFILE_YIELDS, PROFILES, UNITS
 from grpolab.rewards import BUILTIN_REWARDS
 from grpolab.rollout.vllm import VLLMEngineConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpolab.precision import PRECISIONS
+from grpolab.model.precision import PRECISIONS
 from grpolab.schema import SchemaError, above, at_least, fraction, key
 
 
@@ -120,7 +120,7 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class MonitorsConfig:
-    """The runtime monitors (grpolab.monitors) and the stops."""
+    """The runtime monitors (grpolab.train.monitors) and the stops."""
 
     # warn (default), stop (checkpoint, then exit) or off.
     action: str = key(
@@ -150,14 +150,14 @@ class RuntimeConfig:
     compute trade-offs. A resumed run may change any of these."""
 
     num_threads: int | None = key(None, resume_free=True)  # torch CPU threads; None: torch's
-    # auto | fp32 | bf16 (grpolab.precision): bf16 runs the training forwards under bf16
+    # auto | fp32 | bf16 (grpolab.model.precision): bf16 runs the training forwards under bf16
     # autocast (matmuls in bfloat16, log-softmax still float32) while weights, gradients and
     # AdamW stay in model.dtype (fp32 master); auto is bf16 where the device multiplies bf16
     # natively (a CUDA GPU with bf16, a CPU with AMX or AVX512-BF16), fp32 elsewhere. The
     # default stays fp32: a tiny model's matmuls are too small to gain, and the demo's numbers
     # stay the same on every machine; the real-model example sets auto.
     precision: str = key("fp32", choices=PRECISIONS, resume_free=True)
-    # fused (grpolab.logprobs) | naive (core.sequence_logprobs; "core" is its older name)
+    # fused (grpolab.model.logprobs) | naive (core.sequence_logprobs; "core" is its older name)
     logprobs: str = key("fused", choices=("fused", "naive", "core"), resume_free=True)
     # fused: run each group's shared prompt through the model once, its G completions against
     # that prompt's keys and values (exact; checked against one forward per row at first use).

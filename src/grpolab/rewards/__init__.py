@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from grpolab.conversation import Conversation
 from grpolab.rewards.builtin import (
     ACCURACY_MODES,
     DEFAULT_FORMAT_PATTERN,
@@ -44,6 +43,7 @@ from grpolab.rewards.model import RewardModel, is_model_reference, model_display
 from grpolab.rollout.base import Rollout
 from grpolab.rollout.episodes import episode_metrics
 from grpolab.tasks.base import Example, Task, TaskConfig
+from grpolab.tasks.conversation import Conversation
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from grpolab.models import load_tokenizer
+from grpolab.model.policy import load_tokenizer
 
 SEQUENCE_CLASSIFICATION = "ForSequenceClassification"  # the architectures' suffix
 

@@ -30,7 +30,7 @@ function can honestly be asked depends on what it rewards:
                    reported (the rows where it prefers the reference to a wrong answer), but
                    held to no demand: a learned preference is not a rule
 
-A probe whose final answer is the reference by the strict check (grpolab.strict, judging the
+A probe whose final answer is the reference by the strict check (grpolab.tasks.strict, judging the
 task's answer kind: a prompt that ends with its own answer) does answer the row and is left out.
 """
 
@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
 from grpolab.rewards import Rewards, score
-from grpolab.strict import strict_equal
 from grpolab.tasks.answers import CHOICE_LETTERS
 from grpolab.tasks.base import Example, Task
+from grpolab.tasks.strict import strict_equal
 
 PROBE_ROWS = 8  # training rows probed, spread over the task's training set
 PROBE_KINDS = ("reference", "wrong", "echo", "restated", "no_answer")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from grpolab.precision import FP32, Precision
+from grpolab.model.precision import FP32, Precision
 from grpolab.rollout.base import Rollout, SamplingParams, Turn
 from grpolab.rollout.common import SAMPLERS
 from grpolab.rollout.config import RolloutConfig

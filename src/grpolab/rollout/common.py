@@ -10,9 +10,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from grpolab import core
-from grpolab.conversation import Conversation
-from grpolab.models import eval_mode
+from grpolab.model.policy import eval_mode
 from grpolab.rollout.base import Rollout, SamplingParams
+from grpolab.tasks.conversation import Conversation
 
 
 def draw_multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -8,7 +8,7 @@ import importlib
 
 import torch
 
-from grpolab.precision import FP32, Precision
+from grpolab.model.precision import FP32, Precision
 from grpolab.rollout.base import Rollout, SamplingParams
 from grpolab.rollout.episodes import Episode, EpisodeSetup
 

@@ -25,9 +25,9 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from grpolab.core import position_ids
-from grpolab.lora import is_lora, lora_layers, merged_lora_weight, plain_lora
-from grpolab.models import base_model, eval_mode, plain_kv_cache
-from grpolab.precision import (
+from grpolab.model.lora import is_lora, lora_layers, merged_lora_weight, plain_lora
+from grpolab.model.policy import base_model, eval_mode, plain_kv_cache
+from grpolab.model.precision import (
     FP32,
     Precision,
     autocast,

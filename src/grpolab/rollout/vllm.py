@@ -42,9 +42,9 @@ from pathlib import Path
 
 import torch
 
-from grpolab.lora import lora_layers, merged_lora_weight
-from grpolab.models import base_model
-from grpolab.precision import FP32, Precision, autocast
+from grpolab.model.lora import lora_layers, merged_lora_weight
+from grpolab.model.policy import base_model
+from grpolab.model.precision import FP32, Precision, autocast
 from grpolab.rollout.base import Rollout, SamplingParams
 from grpolab.rollout.common import (
     CANARY_TEXT,
@@ -168,7 +168,7 @@ def engine_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     model's own names. FSDP2 shards are gathered (a collective: every rank calls this); LoRA
     adapters are merged into their base weights (W + scaling * B @ A, computed aside: the
     trained model is not touched)."""
-    from grpolab.dist import full_state_dict
+    from grpolab.model.dist import full_state_dict
 
     base = base_model(model)
     if base is model:

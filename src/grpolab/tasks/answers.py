@@ -7,7 +7,7 @@
 
 `task.answer_kind` declares it; unset, the arithmetic task's is number and a file task's is
 inferred from its references (`infer_answer_kind`), with the reason, which the commands print
-at start. The strict check (grpolab.strict) and the accuracy reward (grpolab.rewards.builtin)
+at start. The strict check (grpolab.tasks.strict) and the accuracy reward (grpolab.rewards.builtin)
 each implement every kind on their own; they take the kind from here (Task.answer_kind).
 """
 

@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from grpolab.conversation import Conversation, is_conversation
 from grpolab.tasks.base import Example, Task, TaskConfig
+from grpolab.tasks.conversation import Conversation, is_conversation
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 # Per task: (prompt_field, answer_field, prompt_template) when the config leaves them unset.

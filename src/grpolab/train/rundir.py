@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from grpolab.checkpoint import CHECKPOINT_RE
+from grpolab.train.checkpoint import CHECKPOINT_RE
 
 RUN_FILES = (
     "config.yaml",

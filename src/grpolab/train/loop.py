@@ -6,7 +6,7 @@
     steps(session)                 # grpo_step, monitors, evaluation, logs, checkpoints
     finish(session)                # last checkpoint, held-out accuracy, summary.json
 
-Each step is `grpolab.step.grpo_step`; what it computes is documented there.
+Each step is `grpolab.train.step.grpo_step`; what it computes is documented there.
 """
 
 from __future__ import annotations
@@ -26,8 +26,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from grpolab import core
-from grpolab import dist as dist_module
-from grpolab.checkpoint import (
+from grpolab.config import Config, load_notes, replaced, to_dict, to_yaml
+from grpolab.core import CoreFunctions
+from grpolab.model import dist as dist_module
+from grpolab.model.memory import fix_malloc_thresholds, release_freed_memory
+from grpolab.rewards.probes import reward_scale
+from grpolab.tasks import load_task
+from grpolab.train.checkpoint import (
     checkpoint_step,
     latest_checkpoint,
     restore,
@@ -36,11 +41,8 @@ from grpolab.checkpoint import (
     save_run,
     set_aside,
 )
-from grpolab.config import Config, load_notes, replaced, to_dict, to_yaml
-from grpolab.core import CoreFunctions
-from grpolab.evaluate import accuracy_rewards, evaluate_greedy, evaluate_pass_at_k
-from grpolab.memory import fix_malloc_thresholds, release_freed_memory
-from grpolab.monitors import (
+from grpolab.train.evaluate import accuracy_rewards, evaluate_greedy, evaluate_pass_at_k
+from grpolab.train.monitors import (
     MonitorStop,
     NonFiniteError,
     RewardDivergence,
@@ -49,10 +51,9 @@ from grpolab.monitors import (
     limits_for,
     write_capsule,
 )
-from grpolab.preflight import preflight_gate
-from grpolab.rewards.probes import reward_scale
-from grpolab.rundir import check_output_dir, prepare_output_dir
-from grpolab.setup import (
+from grpolab.train.preflight import preflight_gate
+from grpolab.train.rundir import check_output_dir, prepare_output_dir
+from grpolab.train.setup import (
     Run,
     build_run,
     check_context_fits,
@@ -61,9 +62,8 @@ from grpolab.setup import (
     resolve_device,
     task_engine,
 )
-from grpolab.step import StepBatch, grpo_step
-from grpolab.tasks import load_task
-from grpolab.tracking import Tracker, progress_bar
+from grpolab.train.step import StepBatch, grpo_step
+from grpolab.train.tracking import Tracker, progress_bar
 
 
 class Interrupted(RuntimeError):

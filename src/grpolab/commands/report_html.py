@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
-from grpolab.report_plots import Figure
+from grpolab.commands.report_plots import Figure
 
 CELL_CHARS = 1200  # a longer prompt or completion is cut in the middle
 

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from grpolab.check import CheckResult
-from grpolab.drill import hints as hints_mod
-from grpolab.drill.runner import FAIL, PASS, TODO, DrillReport, GoalResult
-from grpolab.drill.state import DrillState
-from grpolab.drill.texts import check_name, goal_text, msg
+from grpolab.commands.drill import hints as hints_mod
+from grpolab.commands.drill.runner import FAIL, PASS, TODO, DrillReport, GoalResult
+from grpolab.commands.drill.state import DrillState
+from grpolab.commands.drill.texts import check_name, goal_text, msg
 
 COLOURS = {"green": "32", "red": "31", "yellow": "33", "bold": "1", "dim": "2"}
 

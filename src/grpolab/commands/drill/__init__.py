@@ -5,7 +5,7 @@ session (goals, check, hint, show, train), `grpolab drill check DIR` the same ch
 scripts. Texts in English and Chinese.
 """
 
-from grpolab.drill.runner import DrillReport, GoalResult, Workbench
-from grpolab.drill.template import init_workspace
+from grpolab.commands.drill.runner import DrillReport, GoalResult, Workbench
+from grpolab.commands.drill.template import init_workspace
 
 __all__ = ["DrillReport", "GoalResult", "Workbench", "init_workspace"]

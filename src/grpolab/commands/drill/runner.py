@@ -18,10 +18,10 @@ import torch
 from grpolab.check import CheckResult
 from grpolab.checks.context import PreflightBatch, PreflightSettings
 from grpolab.checks.runner import blamed, run_checks
+from grpolab.commands.drill.diagnose import first_failing, known_bugs
 from grpolab.core import CORE_FUNCTIONS, CoreFunctions
-from grpolab.drill.diagnose import first_failing, known_bugs
 from grpolab.functions import ImplLoadError, core_functions, impl_error_line, load_impl
-from grpolab.models import eval_mode
+from grpolab.model.policy import eval_mode
 
 # The learner's functions each goal's checks call (directly or through grpo_loss).
 GOAL_FUNCTIONS: dict[int, tuple[str, ...]] = {
@@ -377,8 +377,8 @@ class Workbench:
         import transformers
 
         from grpolab.config import load_config
-        from grpolab.preflight import sample_batch, settings_from_config
-        from grpolab.setup import build_run, load_start_model, resolve_device
+        from grpolab.train.preflight import sample_batch, settings_from_config
+        from grpolab.train.setup import build_run, load_start_model, resolve_device
 
         if self.on_load:
             self.on_load()

@@ -16,24 +16,25 @@ from typing import Any
 
 import torch
 
-from grpolab import dist as dist_module
 from grpolab import objective, seeds
 from grpolab.config import Config, objective_of, validate_world
 from grpolab.core import CoreFunctions, Objective
-from grpolab.dist import Dist
-from grpolab.evaluate import accuracy_rewards
-from grpolab.functions import core_functions
-from grpolab.lora import wrap_lora
-from grpolab.models import load_policy, resolve_model_source
-from grpolab.precision import FP32, Precision, forget_casts_on_step, resolve_precision
+from grpolab.functions import as_called, core_functions
+from grpolab.model import dist as dist_module
+from grpolab.model.dist import Dist
+from grpolab.model.lora import wrap_lora
+from grpolab.model.policy import load_policy, resolve_model_source
+from grpolab.model.precision import FP32, Precision, forget_casts_on_step, resolve_precision
 from grpolab.rewards import Rewards, load_rewards
 from grpolab.rollout import RolloutEngine, build_engine
 from grpolab.rollout.common import longest_prompt
 from grpolab.tasks import Task, load_task
+from grpolab.train.evaluate import accuracy_rewards
 
-DEMO_MODEL_DIR = Path(__file__).parent / "data" / "demo-warmup"
+DATA = Path(__file__).resolve().parent.parent / "data"  # grpolab/data: shipped with the package
+DEMO_MODEL_DIR = DATA / "demo-warmup"
 # Warm-started tiny models shipped in the package, by the name a config gives them.
-SHIPPED_MODELS = {"tool-warmup": Path(__file__).parent / "data" / "tool-warmup"}
+SHIPPED_MODELS = {"tool-warmup": DATA / "tool-warmup"}
 
 
 # --- The batch plan ---------------------------------------------------------------------------
@@ -169,6 +170,7 @@ def build_run(
     functions = functions or core_functions(cfg.runtime.logprobs, cfg.runtime.shared_prefix)
     o = objective_of(cfg)  # the objective, built once for the run
     check_functions_support(functions, o)
+    functions = as_called(functions)  # a user's signatures read once, here
     d = dist or Dist()
     if d.on:
         validate_world(cfg, d.world)

@@ -26,9 +26,9 @@ def one_line(message: str) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from grpolab.config import ConfigError, load_config
-    from grpolab.monitors import MonitorStop, NonFiniteError
-    from grpolab.preflight import PreflightFailed
-    from grpolab.trainer import Interrupted, RewardsFailing, train
+    from grpolab.train.loop import Interrupted, RewardsFailing, train
+    from grpolab.train.monitors import MonitorStop, NonFiniteError
+    from grpolab.train.preflight import PreflightFailed
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -75,9 +75,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
+    from grpolab.commands.jsonout import print_json
     from grpolab.config import ConfigError, load_config, load_notes
-    from grpolab.jsonout import print_json
-    from grpolab.preflight import preflight, print_results, results_json
+    from grpolab.train.preflight import preflight, print_results, results_json
 
     console = Console(stderr=args.json)  # with --json, stdout holds the JSON alone
     if not console.is_terminal:
@@ -107,7 +107,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """A checkpoint of a run is evaluated on the run's own task and config (its config.yaml,
     under --config, --task and the overrides)."""
     from grpolab.config import ConfigError, load_config, load_notes
-    from grpolab.trainer import run_eval
+    from grpolab.train.loop import run_eval
 
     overrides = list(args.overrides)
     if args.model:
@@ -132,7 +132,7 @@ def trained_with(model: str | None):
     directory's; None for any other model."""
     from pathlib import Path
 
-    from grpolab.checkpoint import COMPLETE, RUN_CONFIG
+    from grpolab.train.checkpoint import COMPLETE, RUN_CONFIG
 
     if not model or not (Path(model) / COMPLETE).is_file():
         return None
@@ -143,7 +143,7 @@ def trained_with(model: str | None):
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from grpolab.report import write_report
+    from grpolab.commands.report import write_report
 
     try:
         write_report(args.run_dir)
@@ -153,7 +153,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    from grpolab.warmup import ToolWarmupConfig, WarmupConfig, tool_warmup, warmup
+    from grpolab.commands.warmup import ToolWarmupConfig, WarmupConfig, tool_warmup, warmup
 
     if args.task == "tool-calculator":
         output = args.output or "src/grpolab/data/tool-warmup"
@@ -188,8 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     wu.add_argument("--seed", type=int, default=0)
     wu.set_defaults(func=cmd_warmup)
 
-    from grpolab.drill.cli import add_drill_parser
-    from grpolab.rollout_cli import add_rollout_parser
+    from grpolab.commands.drill.cli import add_drill_parser
+    from grpolab.commands.rollout import add_rollout_parser
 
     add_rollout_parser(sub)
     add_preflight_parser(sub)
@@ -352,8 +352,8 @@ def exit_interrupted() -> None:
 
 
 def _main(argv: list[str] | None) -> int:
-    from grpolab.jsonout import json_stdout
-    from grpolab.memory import fix_malloc_thresholds
+    from grpolab.commands.jsonout import json_stdout
+    from grpolab.model.memory import fix_malloc_thresholds
 
     fix_malloc_thresholds()
     parser = build_parser()

@@ -1,7 +1,7 @@
 """Held-out evaluation: greedy accuracy, and pass@k from n samples per problem.
 
 Two accuracies are reported side by side: the reward-based one (the accuracy reward is 1) and
-the strict one (grpolab.strict: the final answer as written is exactly the reference), an
+the strict one (grpolab.tasks.strict: the final answer as written is exactly the reference), an
 independent check that a reward bug cannot also bend. They part ways when the reward is being
 gamed. Both judge the task's answer kind (Task.answer_kind: number, string, choice or math).
 """
@@ -16,8 +16,8 @@ import torch
 
 from grpolab.rewards import RewardResult, Rewards, RewardsConfig, load_rewards, score
 from grpolab.rollout.base import SamplingParams
-from grpolab.strict import strict_equal
 from grpolab.tasks.base import Example
+from grpolab.tasks.strict import strict_equal
 
 
 def accuracy_rewards(rewards_cfg: RewardsConfig | None, task) -> Rewards:
@@ -61,7 +61,7 @@ def correct_answers(
 def strict_correct(
     completions: Sequence[str], answers: Sequence[str], kind: str = "number"
 ) -> torch.Tensor:
-    """[B] bool: the final answer as written is exactly the reference (grpolab.strict, judging
+    """[B] bool: the final answer as written is exactly the reference (grpolab.tasks.strict, judging
     answers of `kind`)."""
     hits = [strict_equal(c, a, kind) for c, a in zip(completions, answers, strict=True)]
     return torch.tensor(hits, dtype=torch.bool)

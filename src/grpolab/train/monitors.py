@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from grpolab.checkpoint import rng_state
-from grpolab.precision import Precision
-from grpolab.setup import Run
-from grpolab.step import StepBatch, logprobs_in_chunks
+from grpolab.model.precision import Precision
+from grpolab.train.checkpoint import rng_state
+from grpolab.train.setup import Run
+from grpolab.train.step import StepBatch, logprobs_in_chunks
 
 
 class MonitorStop(RuntimeError):

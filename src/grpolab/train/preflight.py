@@ -33,10 +33,17 @@ from grpolab.checks.registry import ALL
 from grpolab.checks.runner import blamed, run_check
 from grpolab.config import Config, objective_of
 from grpolab.core import CoreFunctions, Objective
-from grpolab.models import eval_mode
-from grpolab.monitors import limits_for
+from grpolab.model.policy import eval_mode
 from grpolab.rewards import score
-from grpolab.setup import BatchPlan, Run, build_run, load_start_model, resolve_device, run_precision
+from grpolab.train.monitors import limits_for
+from grpolab.train.setup import (
+    BatchPlan,
+    Run,
+    build_run,
+    load_start_model,
+    resolve_device,
+    run_precision,
+)
 
 PREFLIGHT_ROWS = 32  # sequences in the preflight batch (whole groups, at least two)
 

@@ -10,9 +10,9 @@ import torch
 from grpolab import core
 from grpolab.checks.context import PreflightBatch, PreflightSettings
 from grpolab.checks.normalisation import UNEQUAL_LENGTHS, unequal_lengths_batch
+from grpolab.commands.drill.texts import msg, show_text
 from grpolab.core import CoreFunctions
-from grpolab.drill.texts import msg, show_text
-from grpolab.models import eval_mode
+from grpolab.model.policy import eval_mode
 
 
 def _fmt(x: float) -> str:

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,14 +20,14 @@ from typing import Any
 import torch
 
 from grpolab import core, seeds
-from grpolab import dist as dist_module
 from grpolab.config import skips_zero_advantage
-from grpolab.evaluate import correct_answers, strict_correct
-from grpolab.precision import autocast
+from grpolab.model import dist as dist_module
+from grpolab.model.precision import autocast
 from grpolab.rewards import RewardResult, score
 from grpolab.rollout.base import Rollout
-from grpolab.setup import Run, old_logprobs_from_loss_forward
 from grpolab.tasks.base import Example
+from grpolab.train.evaluate import correct_answers, strict_correct
+from grpolab.train.setup import Run, old_logprobs_from_loss_forward
 
 
 @dataclass
@@ -166,7 +165,7 @@ def collect(run: Run, step: int) -> StepBatch:
         strict = strict_correct(rollout.completions, answers, run.task.answer_kind)
     # Advantages over the global batch ("batch" scaling needs every rank's rewards).
     all_rewards = dist_module.all_gather_cat(scores.total, d)  # [B_global]
-    kwargs = core.accepted_kwargs(run.functions.group_advantages, o.advantage_kwargs())
+    kwargs = dict(o.advantage_kwargs())  # run.functions drop what a user's does not take
     if o.advantage_estimator == "reinforce_pp":  # whitened over the batch's tokens
         lengths = rollout.completion_mask.sum(dim=1).float()
         kwargs["lengths"] = dist_module.all_gather_cat(lengths, d)
@@ -174,7 +173,6 @@ def collect(run: Run, step: int) -> StepBatch:
     # (truncation masking, dynamic sampling's fill); the others get advantage 0.
     valid = scores.scorable.float() if loss_rows is None else scores.scorable * loss_rows
     kwargs["valid"] = dist_module.all_gather_cat(valid.float(), d) > 0
-    kwargs = core.accepted_kwargs(run.functions.group_advantages, kwargs)
     advantages = run.functions.group_advantages(all_rewards, G, **kwargs)
     adv_group_sum = float(advantages.view(-1, G).sum(dim=1).abs().max())
     advantages = advantages[dist_module.rank_slice(len(advantages), d)]  # [B]
@@ -452,14 +450,13 @@ def micro_step(
     """The loss of micro-batch `rows` scaled to its share of the minibatch's loss, and the
     first non-finite input or loss value (None when all are finite). Records its metrics."""
     cfg, fns, o = run.cfg, run.functions, run.objective
-    with_entropy = _takes(fns.sequence_logprobs, "return_entropy")
     with autocast(run.precision, run.device):  # the forward only; backward outside
         logp, mask, *entropy = run.train_forward(  # ddp: through DDP's forward
             batch.input_ids[rows],
             batch.attention_mask[rows],
             batch.completion_mask[rows],
             cfg.rollout.temperature,
-            **({"return_entropy": True} if with_entropy else {}),
+            return_entropy=True,  # dropped for a user's function without it (as_called)
         )  # [b, T-1], float32 whatever the matmul precision
     if batch.loss_rows is not None:
         mask = mask * batch.loss_rows[rows, None]
@@ -474,10 +471,10 @@ def micro_step(
             stats.engine_gap = max(stats.engine_gap or 0.0, masked_max_abs(gap, mask))
             stats.engine_gap_sum += float(gap.sum())
             stats.engine_gap_tokens += float(mask.bool().sum())
-    kwargs = core.accepted_kwargs(fns.grpo_loss, o.loss_kwargs())
+    kwargs = dict(o.loss_kwargs())
     if cfg.objective.tis_cap is not None:
         kwargs["token_weights"] = engine_weights(run, old, engine, mask, stats)
-    if entropy and _takes(fns.grpo_loss, "entropy"):
+    if entropy:
         kwargs["entropy"] = entropy[0]
     loss, loss_metrics = fns.grpo_loss(logp, old, ref, batch.advantages[rows], mask, **kwargs)
     given_old = None if batch.logp_old is None else old  # on-policy: old is logp itself
@@ -503,12 +500,6 @@ def engine_weights(run: Run, old, engine, mask, stats: UpdateStats) -> torch.Ten
     stats.tis_weight += float((weights * mask).sum())
     stats.tis_tokens += float(mask.sum())
     return weights
-
-
-def _takes(fn, name: str) -> bool:
-    """Whether `fn` takes the keyword `name` (a user's function may not)."""
-    params = inspect.signature(fn).parameters
-    return name in params or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def first_nonfinite(

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpolab.drill.runner import DrillReport
+from grpolab.commands.drill.runner import DrillReport
 
 STATE_FILE = ".drill.json"
 

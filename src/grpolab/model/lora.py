@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from grpolab.models import base_model
+from grpolab.model.policy import base_model
 
 
 def lora_config(cfg):
@@ -20,9 +20,7 @@ def lora_config(cfg):
     try:
         from peft import LoraConfig
     except ImportError as e:
-        raise ImportError(
-            f"lora.r={t.r} needs peft: pip install 'grpolab[lora]'"
-        ) from e
+        raise ImportError(f"lora.r={t.r} needs peft: pip install 'grpolab[lora]'") from e
     return LoraConfig(
         r=t.r,
         lora_alpha=t.alpha,

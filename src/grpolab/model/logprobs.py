@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from grpolab import core
-from grpolab.models import eval_mode, plain_kv_cache
-from grpolab.precision import cached_cast
+from grpolab.model.policy import eval_mode, plain_kv_cache
+from grpolab.model.precision import cached_cast
 
 log = logging.getLogger("grpolab")
 

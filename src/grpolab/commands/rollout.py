@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from grpolab.jsonout import json_stdout, print_json
+from grpolab.commands.jsonout import json_stdout, print_json
 
 
 def add_rollout_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -55,8 +55,8 @@ def run_rollout(
     from grpolab import seeds
     from grpolab.config import load_config
     from grpolab.rewards import load_rewards, score
-    from grpolab.setup import load_start_model, model_source, resolve_device, task_engine
     from grpolab.tasks import load_task
+    from grpolab.train.setup import load_start_model, model_source, resolve_device, task_engine
 
     cfg = load_config(config, overrides)
     G = cfg.batch.num_generations
@@ -116,7 +116,7 @@ CANNOT_WRITE = {
 def unreadable(tokenizer, examples) -> tuple[dict[str, str], list[str]]:
     """({prompt: what the model reads} for the prompts the tokenizer does not give back,
     warnings naming the characters of the prompts and answers it cannot write)."""
-    from grpolab.coverage import round_trip
+    from grpolab.tasks.coverage import round_trip
 
     warnings, read = [], {}
     texts = {

@@ -13,11 +13,11 @@ from typing import Any
 
 import yaml
 
-from grpolab.report_html import Page, html_page
-from grpolab.report_plots import Figure, constant_reasons, draw, plan_figures, series
-from grpolab.strict import strict_equal
+from grpolab.commands.report_html import Page, html_page
+from grpolab.commands.report_plots import Figure, constant_reasons, draw, plan_figures, series
 from grpolab.tasks.answers import infer_answer_kind
-from grpolab.tracking import read_jsonl_counting
+from grpolab.tasks.strict import strict_equal
+from grpolab.train.tracking import read_jsonl_counting
 
 SAMPLES_PER_STEP = 4  # completions shown for each of the early, middle and late steps
 TABLE_METRICS = (  # the metrics table: first step against the mean of the last 20

@@ -21,11 +21,11 @@ import torch
 import transformers
 import yaml
 
-from grpolab import dist as dist_module
 from grpolab.config import Config, run_changes, to_yaml
-from grpolab.lora import is_lora, load_lora_adapter
-from grpolab.models import load_policy, save_policy
-from grpolab.setup import Run
+from grpolab.model import dist as dist_module
+from grpolab.model.lora import is_lora, load_lora_adapter
+from grpolab.model.policy import load_policy, save_policy
+from grpolab.train.setup import Run
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 # Written last, inside the temporary directory, before the rename: the step and the size and

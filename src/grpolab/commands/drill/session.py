@@ -16,12 +16,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from grpolab.drill import hints as hints_mod
-from grpolab.drill import render
-from grpolab.drill.runner import GOAL_FUNCTIONS, PASS, DrillReport, Workbench, written_functions
-from grpolab.drill.show import show_goal
-from grpolab.drill.state import STATE_FILE, DrillState, load_state, save_state
-from grpolab.drill.texts import msg
+from grpolab.commands.drill import hints as hints_mod
+from grpolab.commands.drill import render
+from grpolab.commands.drill.runner import (
+    GOAL_FUNCTIONS,
+    PASS,
+    DrillReport,
+    Workbench,
+    written_functions,
+)
+from grpolab.commands.drill.show import show_goal
+from grpolab.commands.drill.state import STATE_FILE, DrillState, load_state, save_state
+from grpolab.commands.drill.texts import msg
 from grpolab.functions import ImplLoadError, impl_error_line, load_impl
 
 IMPL_FILE = "my_grpo.py"

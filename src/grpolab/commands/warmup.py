@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from grpolab.evaluate import accuracy_rewards, evaluate_accuracy
-from grpolab.models import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_policy
+from grpolab.model.policy import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_policy
 from grpolab.rollout.hf import HFEngine
 from grpolab.tasks import TaskConfig, load_task
+from grpolab.train.evaluate import accuracy_rewards, evaluate_accuracy
 
 DEMO_CHARS = "0123456789+-*= "
 DEMO_SPEC = TinyModelSpec(

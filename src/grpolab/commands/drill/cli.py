@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from grpolab.drill.texts import LANGS, msg, pick_lang
-from grpolab.jsonout import print_json
+from grpolab.commands.drill.texts import LANGS, msg, pick_lang
+from grpolab.commands.jsonout import print_json
 
 DEFAULT_DIR = "grpo-drill"
 ACTIONS = ("init", "check")
@@ -16,7 +16,7 @@ ACTIONS = ("init", "check")
 
 def resolve_dir(given: str | None) -> Path:
     """DIR, else the current directory when it holds my_grpo.py, else grpo-drill."""
-    from grpolab.drill.session import IMPL_FILE
+    from grpolab.commands.drill.session import IMPL_FILE
 
     if given:
         return Path(given)
@@ -24,8 +24,8 @@ def resolve_dir(given: str | None) -> Path:
 
 
 def cmd_init(directory: Path, lang: str) -> int:
-    from grpolab.drill.session import IMPL_FILE
-    from grpolab.drill.template import init_workspace
+    from grpolab.commands.drill.session import IMPL_FILE
+    from grpolab.commands.drill.template import init_workspace
 
     written, kept = init_workspace(directory)
     for path in written:
@@ -38,10 +38,10 @@ def cmd_init(directory: Path, lang: str) -> int:
 
 def cmd_check(directory: Path, lang: str, as_json: bool) -> int:
     """Exit 0 when all seven goals pass, 1 otherwise, 2 when there is no workspace."""
-    from grpolab.drill import render
-    from grpolab.drill.runner import Workbench
-    from grpolab.drill.session import IMPL_FILE
-    from grpolab.drill.state import load_state, save_state
+    from grpolab.commands.drill import render
+    from grpolab.commands.drill.runner import Workbench
+    from grpolab.commands.drill.session import IMPL_FILE
+    from grpolab.commands.drill.state import load_state, save_state
 
     path = directory / IMPL_FILE
     if not path.is_file():
@@ -72,7 +72,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
     directory = resolve_dir(given)
     if action == "check":
         return cmd_check(directory, lang, args.json)
-    from grpolab.drill.session import IMPL_FILE, run_session
+    from grpolab.commands.drill.session import IMPL_FILE, run_session
 
     if not (directory / IMPL_FILE).is_file():
         print(msg("no_workspace", lang, path=directory / IMPL_FILE, dir=directory))

@@ -31,7 +31,7 @@ accuracy reward) accepts; on symbolic answers the two part ways.
 This is written apart from the reward code on purpose (no shared helpers, no math-verify): it
 is the independent measurement that a reward bug cannot also bend. Evaluation reports it
 beside the reward-based accuracy, and the monitors warn when the training reward leaves it
-behind (grpolab.monitors).
+behind (grpolab.train.monitors).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The commands: `grpolab <command>` and what they show."""
