@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import inspect
 import sys
 import traceback
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from grpolab.core import CORE_FUNCTIONS, MENU_FUNCTIONS, CoreFunctions
 from grpolab.model.logprobs import token_logprobs
-from grpolab.objective import CONVENTION_KWARGS
+from grpolab.objective import CONVENTION_KWARGS, keywords_not_taken
 from grpolab.rollout.episodes import EPISODE_FUNCTIONS, EpisodeFunctions
 
 # "core" is the old name of the naive path: the same code.
@@ -77,13 +76,7 @@ OPTIONAL_KEYWORDS = {
 def called_as_written(fn: Callable, optional: frozenset[str]) -> Callable:
     """`fn`, dropping the `optional` keywords its signature does not take; `fn` itself when
     it takes them all (or any keyword). The signature is read here, once, not on every call."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a builtin or extension: passed everything
-        return fn
-    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return fn
-    dropped = optional - set(params)
+    dropped = keywords_not_taken(fn, optional)
     if not dropped:
         return fn
 

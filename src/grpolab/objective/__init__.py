@@ -242,17 +242,25 @@ def check_value(key: str, value: Any, name: str | None = None) -> None:
         raise SchemaError(name or key, value, e.expected) from None
 
 
-def accepted_kwargs(fn: Callable, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """`kwargs` without the conventions `fn` does not take (CONVENTION_KWARGS): a user's
-    function written for one convention is called as it was written, and the preflight
-    checks that it computes the declared one. Everything else is passed as given."""
+def keywords_not_taken(fn: Callable, optional) -> frozenset[str]:
+    """Those of the `optional` keywords that `fn`'s signature does not take (none when it
+    takes any keyword, or has no signature to read): a user's function written for one
+    convention is called as it was written, and the preflight checks that it computes the
+    declared one."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        return dict(kwargs)
+        return frozenset()
     if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(kwargs)
-    return {k: v for k, v in kwargs.items() if k in params or k not in CONVENTION_KWARGS}
+        return frozenset()
+    return frozenset(optional) - set(params)
+
+
+def accepted_kwargs(fn: Callable, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """`kwargs` without the conventions `fn` does not take (CONVENTION_KWARGS); everything
+    else is passed as given."""
+    dropped = keywords_not_taken(fn, CONVENTION_KWARGS)
+    return {k: v for k, v in kwargs.items() if k not in dropped}
 
 
 def required_keywords(o: Objective) -> list[Needs]:
@@ -330,6 +338,7 @@ __all__ = [
     "aggregation",
     "check_value",
     "choices",
+    "keywords_not_taken",
     "objective_card",
     "required_keywords",
     "surrogate_needs_grpolab",
