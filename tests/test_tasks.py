@@ -119,12 +119,24 @@ def test_gsm8k_sample_loads_with_final_answers():
     assert "2280" in {e.answer for e in task.train + task.eval}  # "#### 2,280"
 
 
-def test_gsm8k_eval_holdout_is_at_most_half_and_seeded():
-    a = load_task(TaskConfig(name="gsm8k", path=str(SAMPLE_GSM8K)))  # num_eval=500 default
-    n = len(a.train) + len(a.eval)
-    assert len(a.eval) == n // 2
-    b = load_task(TaskConfig(name="gsm8k", path=str(SAMPLE_GSM8K), seed=1))
-    assert [e.prompt for e in a.eval] != [e.prompt for e in b.eval]
+def test_a_small_file_is_trained_on_whole_unless_a_hold_out_is_asked_for():
+    rows = len(load_task(TaskConfig(name="gsm8k", path=str(SAMPLE_GSM8K))).train)
+    a = load_task(TaskConfig(name="gsm8k", path=str(SAMPLE_GSM8K)))
+    assert len(a.eval) == 0 and len(a.train) == rows  # 500 held out would leave < 90 %
+    assert "no hold-out" in a.describe_split() and "task.num_eval" in a.describe_split()
+    asked = load_task(TaskConfig(name="gsm8k", path=str(SAMPLE_GSM8K), num_eval=4))
+    assert len(asked.eval) == 4 and len(asked.train) == rows - 4
+    other_seed = load_task(TaskConfig(name="gsm8k", path=str(SAMPLE_GSM8K), num_eval=4, seed=1))
+    assert [e.prompt for e in asked.eval] != [e.prompt for e in other_seed.eval]
+
+
+def test_a_large_file_holds_out_500_rows_when_90_percent_still_train(tmp_path):
+    for n, held in ((5000, 500), (4999, 0)):
+        path = write_jsonl(tmp_path / f"{n}.jsonl",
+                           [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(n)])  # fmt: skip
+        task = load_task(TaskConfig(name="jsonl", path=str(path)))
+        assert (len(task.eval), len(task.train)) == (held, n - held)
+        assert {e.prompt for e in task.eval}.isdisjoint(e.prompt for e in task.train)
 
 
 def test_jsonl_task_custom_fields_and_template(tmp_path):
@@ -289,8 +301,8 @@ def test_eval_fraction_holds_out_that_share_and_the_split_is_said(tmp_path):
     assert "task.eval_fraction=0.1" in task.describe_split()
     # the default split is said too, with how to choose another
     default = load_task(TaskConfig(name="jsonl", path=str(path)))
-    assert (len(default.train), len(default.eval)) == (100, 100)
-    assert "task.eval_path or task.eval_fraction" in default.describe_split()
+    assert (len(default.train), len(default.eval)) == (200, 0)
+    assert "task.eval_fraction or task.eval_path" in default.describe_split()
 
 
 def test_a_file_with_many_bad_rows_names_them_all_up_to_a_limit(tmp_path):

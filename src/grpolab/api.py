@@ -43,6 +43,7 @@ from grpolab.rewards import RewardModel
 from grpolab.train.loop import run_eval, train
 from grpolab.train.preflight import preflight
 from grpolab.train.setup import load_start_model, model_source
+from grpolab.ways import from_python
 
 # TRL's GRPOConfig field -> grpolab's dotted key, where the two mean the same thing. The one
 # home of this mapping. Batch sizes are derived (`_batch_overrides`), not mapped one to one.
@@ -225,6 +226,8 @@ class GRPOTrainer:
             overrides += ["task.name=jsonl", f"task.path={self._rows_file(train_dataset, 'train')}"]
         if eval_dataset is not None:
             overrides.append(f"task.eval_path={self._rows_file(eval_dataset, 'eval')}")
+        elif train_dataset is not None and not _asks_hold_out(args):
+            overrides.append("task.num_eval=0")  # TRL's meaning: train_dataset is all training
         lora = peft_config is not None
         self.config = _config(args, overrides, lora=lora)
         more = []
@@ -276,18 +279,34 @@ class GRPOTrainer:
                 f.write(json.dumps(row) + "\n")
         return str(path)
 
-    def train(self, **kwargs: Any) -> dict[str, Any]:
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
         """The preflight, then training (grpolab.train.loop.train's keywords: resume=,
-        overwrite=, skip_preflight=, ...); returns the run's summary."""
-        return train(self.config, **kwargs)
+        overwrite=, skip_preflight=, ...; TRL's resume_from_checkpoint= is resume=); returns
+        the run's summary."""
+        if resume_from_checkpoint is not None:
+            kwargs.setdefault("resume", resume_from_checkpoint)
+        with from_python():
+            return train(self.config, **kwargs)
 
     def preflight(self, **kwargs: Any):
         """The preflight checks alone, on this model, task and rewards."""
-        return preflight(self.config, **kwargs)
+        with from_python():
+            return preflight(self.config, **kwargs)
 
     def evaluate(self, **kwargs: Any) -> dict[str, float]:
         """Greedy accuracy of the configured model on the held-out set."""
-        return run_eval(self.config, **kwargs)
+        with from_python():
+            return run_eval(self.config, **kwargs)
+
+
+def _asks_hold_out(args: GRPOConfig | Config | dict[str, Any] | None) -> bool:
+    """Whether the user's own keys choose a hold-out from train_dataset."""
+    if isinstance(args, dict):
+        args = GRPOConfig(**args)
+    if not isinstance(args, GRPOConfig):
+        return False
+    given = {canonical(o.split("=", 1)[0]) for o in args.overrides()}
+    return bool(given & {"task.num_eval", "task.eval_fraction"})
 
 
 def _config(

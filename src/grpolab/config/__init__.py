@@ -23,7 +23,13 @@ from grpolab.config.load import (
     load_notes,
     replaced,
 )
-from grpolab.config.resume import resume_free_keys, run_changes, to_dict, to_yaml
+from grpolab.config.resume import (
+    differences_from_defaults,
+    resume_free_keys,
+    run_changes,
+    to_dict,
+    to_yaml,
+)
 from grpolab.config.sections import (
     BatchConfig,
     CheckpointConfig,
@@ -70,6 +76,7 @@ __all__ = [
     "canonical",
     "check",
     "check_overrides",
+    "differences_from_defaults",
     "flatten",
     "get",
     "load_config",

@@ -22,6 +22,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from grpolab.config.inert import yield_or_refuse_inert
 from grpolab.config.tree import SECTIONS, Config, ConfigError, check, with_values
 from grpolab.objective import PROFILE_YIELDS, PROFILES
+from grpolab.tasks import GENERATED_NUM_EVAL, GENERATED_TASKS
 
 NULLS = ("null", "none", "~", "")
 LEGACY_SECTION = "trainer"  # every key of the training loop lived here before its section
@@ -71,6 +72,8 @@ def normalise(cfg: Config, given: dict[str, int]) -> tuple[Config, list[str]]:
     yielded (their notes), then every key checked: once, at load."""
     cfg, notes = apply_profile(cfg, given)
     cfg, batch = reconcile_batch(cfg, given)
+    if cfg.task.num_eval is None and cfg.task.name in GENERATED_TASKS:  # recorded as used
+        cfg = with_values(cfg, {"task.num_eval": GENERATED_NUM_EVAL})
     check(cfg, objective=False)  # each key; the objective's rules after the inert ones yield
     cfg, inert = yield_or_refuse_inert(cfg, given)
     check(cfg)

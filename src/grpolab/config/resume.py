@@ -6,11 +6,12 @@ other change is named."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import yaml
 
-from grpolab.config.load import AUTOCAST, canonical, flatten
+from grpolab.config.load import AUTOCAST, canonical, flatten, load_config
 from grpolab.config.tree import Config, ConfigError
 
 
@@ -37,6 +38,20 @@ def _function_name(ref: Any) -> Any:
 
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+@functools.cache
+def default_config() -> Config:
+    """The defaults as a run resolves them (load_config with nothing given)."""
+    return load_config()
+
+
+def differences_from_defaults(cfg: Config) -> list[tuple[str, Any]]:
+    """(dotted key, value) of every key whose value is not the default: what a run's console
+    shows (config.yaml holds them all)."""
+    default = flatten(to_dict(default_config()))
+    return [(k, v) for k, v in flatten(to_dict(cfg)).items() if default.get(k, v) != v
+            or k not in default]  # fmt: skip
 
 
 def resume_free_keys(tp: Any = Config, prefix: str = "") -> set[str]:

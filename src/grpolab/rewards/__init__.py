@@ -45,6 +45,9 @@ from grpolab.rollout.episodes import episode_metrics
 from grpolab.tasks.base import Example, Task, TaskConfig
 from grpolab.tasks.conversation import Conversation
 
+# A group whose rewards' population std is at most this is flat: its advantages are 0.
+ZERO_STD_EPS = 1e-4
+
 
 @dataclass(frozen=True)
 class RewardsConfig:
@@ -203,7 +206,7 @@ def score(
     examples: Sequence[Example],
     rewards: RewardsLike | None = None,
     num_generations: int | None = None,
-    zero_std_eps: float = 1e-4,
+    zero_std_eps: float = ZERO_STD_EPS,
     completion_ids: Sequence[Sequence[int]] | None = None,
 ) -> RewardResult:
     """Reward every sample; combine with weights; report per-function means and errors.
@@ -314,13 +317,29 @@ def _run_rewards(rewards: Rewards, completions: list[str], columns: dict, conver
     return total, per_function, errors, metrics, error_texts
 
 
+def flat_groups(total: torch.Tensor, G: int, eps: float = ZERO_STD_EPS) -> torch.Tensor:
+    """[B] rewards -> [B / G] bool: the groups whose rewards do not vary (nothing to learn)."""
+    return total.view(-1, G).std(dim=1, unbiased=False) <= eps
+
+
+def flat_verdicts(total: torch.Tensor, correct: torch.Tensor, G: int) -> dict[str, float]:
+    """The share of groups that are flat because every sample is right, and because every
+    one is wrong ([B] rewards, [B] bool correct): a flat batch of a solved task is not one of
+    a task out of reach."""
+    flat = flat_groups(total.cpu(), G)
+    right = correct.cpu().view(-1, G)
+    return {
+        "frac_reward_zero_std/all_right": (flat & right.all(dim=1)).float().mean().item(),
+        "frac_reward_zero_std/all_wrong": (flat & ~right.any(dim=1)).float().mean().item(),
+    }
+
+
 def _batch_metrics(total, scorable, G: int, zero_std_eps: float, rollout) -> dict[str, float]:
     """The batch's reward spread, flat groups, and (for a Rollout) its lengths."""
     metrics = {"reward/unscorable": 1 - scorable.float().mean().item()}
     metrics["reward/mean"] = total.mean().item()
     metrics["reward/std"] = total.std(unbiased=False).item()
-    group_std = total.view(-1, G).std(dim=1, unbiased=False)
-    metrics["frac_reward_zero_std"] = (group_std <= zero_std_eps).float().mean().item()
+    metrics["frac_reward_zero_std"] = flat_groups(total, G, zero_std_eps).float().mean().item()
     if rollout is not None:
         lengths = rollout.completion_mask.sum(dim=1).float()
         metrics["truncated_frac"] = rollout.truncated.float().mean().item()

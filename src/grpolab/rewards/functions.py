@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 import math
+import os
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,13 +63,12 @@ class RewardFunction:
         fallback where the function failed for sample i."""
         n = len(completions)
         try:
-            raw = self._run(completions, columns)
-            values = list(raw)
-            if len(values) != n:
-                raise RewardCallError(f"returned {len(values)} values for {n} completions")
+            values = self._returned_list(self._run(completions, columns), n)
         except Exception as e:
             self.last_error = error_text(e)
-            self._log_once(f"reward {self.name!r} failed for the whole batch of {n}: {e}", e)
+            where = f"{self.name!r}" + (f" ({defined_at(self.fn)})" if defined_at(self.fn) else "")
+            said = str(e) if isinstance(e, RewardCallError) else f"raised {error_text(e)}"
+            self._log_once(f"reward {where} failed for the whole batch of {n}: {said}", e)
             return [self.fallback] * n, n
         out, errors = [], 0
         for i, v in enumerate(values):
@@ -85,6 +87,23 @@ class RewardFunction:
                 f = self.fallback
             out.append(f)
         return out, errors
+
+    @staticmethod
+    def _returned_list(raw: Any, n: int) -> list:
+        """What a call returned, as its n values: a list, tuple or other sequence of n."""
+        expected = f"must return a list of {n} floats (or None for rows it cannot score)"
+        if raw is None or isinstance(raw, str | bytes | int | float | dict):
+            shown = f"{type(raw).__name__} {raw!r:.60}"
+            if raw is None:
+                shown = "None (no return statement?)"
+            raise RewardCallError(f"{expected}; got {shown}")
+        try:
+            values = list(raw)
+        except TypeError:
+            raise RewardCallError(f"{expected}; got {type(raw).__name__}") from None
+        if len(values) != n:
+            raise RewardCallError(f"returned {len(values)} values for {n} completions ({expected})")
+        return values
 
     def _run(self, completions: list[str], columns: dict[str, list]) -> Any:
         if not self.threaded or self.timeout is None:
@@ -118,7 +137,11 @@ class RewardFunction:
         self._logged = True
         exc_info = None
         if error is not None and not isinstance(error, RewardCallError):
-            exc_info = (type(error), error, error.__traceback__)
+            if os.environ.get("GRPOLAB_TRACEBACK"):
+                exc_info = (type(error), error, error.__traceback__)
+            else:  # the user's line, not the trainer's frames
+                frame = raised_at(error)
+                message += f" at {frame}" if frame else ""
         logger.warning(
             "%s (counted in reward_errors/%s; further errors of this function are counted, "
             "not logged)",
@@ -134,6 +157,32 @@ def error_text(error: BaseException) -> str:
         return str(error)
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+GRPOLAB_DIR = Path(__file__).resolve().parent.parent  # frames below it are the trainer's
+
+
+def defined_at(fn: Callable[..., Any]) -> str:
+    """'file.py:line' where a user's function is defined ('' for a built-in or a callable
+    whose source is unknown)."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is None or Path(code.co_filename).resolve().is_relative_to(GRPOLAB_DIR):
+        return ""
+    return f"{Path(code.co_filename).name}:{code.co_firstlineno}"
+
+
+def raised_at(error: BaseException) -> str:
+    """'file.py:line in function: source line' of the innermost frame outside grpolab that
+    the exception passed through (the user's code), or ''."""
+    frames = [
+        f for f in traceback.extract_tb(error.__traceback__)
+        if not Path(f.filename).resolve().is_relative_to(GRPOLAB_DIR)
+    ]
+    if not frames:
+        return ""
+    f = frames[-1]
+    line = f"{Path(f.filename).name}:{f.lineno} in {f.name}"
+    return f"{line}: {f.line}" if f.line else line
 
 
 def resolve_function(ref: str) -> Callable[..., Any]:

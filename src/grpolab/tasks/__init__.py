@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from grpolab.tasks.answers import ANSWER_KINDS, check_answer_kind, infer_answer_kind
 from grpolab.tasks.arithmetic import load_arithmetic
-from grpolab.tasks.base import Example, Task, TaskConfig
+from grpolab.tasks.base import GENERATED_NUM_EVAL, Example, Task, TaskConfig
 from grpolab.tasks.files import FILE_TASK_DEFAULTS, SAMPLE_GSM8K, load_file_task
 
 TASKS = ("arithmetic", *FILE_TASK_DEFAULTS)
+# Tasks that generate their problems: each holds out GENERATED_NUM_EVAL unless told.
+GENERATED_TASKS = ("arithmetic",)
 
 
 def load_task(cfg: TaskConfig | None = None) -> Task:
@@ -54,6 +56,8 @@ def _short(text, width: int = 40) -> str:
 
 __all__ = [
     "ANSWER_KINDS",
+    "GENERATED_NUM_EVAL",
+    "GENERATED_TASKS",
     "SAMPLE_GSM8K",
     "TASKS",
     "Example",

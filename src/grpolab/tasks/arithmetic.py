@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import random
 
-from grpolab.tasks.base import Example, Task, TaskConfig
+from grpolab.tasks.base import GENERATED_NUM_EVAL, Example, Task, TaskConfig
 
 OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 # Spaces up to this many problems are enumerated in full; larger ones are sampled.
@@ -22,6 +23,8 @@ def make_example(a: int, op: str, b: int, template: str | None = None) -> Exampl
 
 
 def load_arithmetic(cfg: TaskConfig) -> Task:
+    if cfg.num_eval is None:
+        cfg = dataclasses.replace(cfg, num_eval=GENERATED_NUM_EVAL)
     ops = validate_arithmetic(cfg)
     lo, hi = cfg.min_operand, cfg.max_operand
     span = hi - lo + 1

@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+GENERATED_NUM_EVAL = 500  # a generated task's held-out problems, unless task.num_eval is given
+AUTO_HOLD_OUT_KEEPS = 0.9  # a file's share that must still train for an unasked hold-out
+
 
 @dataclass(frozen=True)
 class TaskConfig:
@@ -23,7 +26,11 @@ class TaskConfig:
     min_operand: int = 10
     max_operand: int = 99
     operators: str = "+"  # any of "+-*"
-    num_eval: int = 500  # held-out prompts (file tasks without eval_path: at most half the rows)
+    # Held-out prompts. None: a generated task holds out GENERATED_NUM_EVAL; a file task holds
+    # out that many rows only when at least AUTO_HOLD_OUT_KEEPS of its rows still train (a
+    # user's small file is trained on whole; task.num_eval, task.eval_fraction or
+    # task.eval_path hold rows out when asked).
+    num_eval: int | None = None
     # Arithmetic spaces larger than ARITHMETIC_ENUMERATE_LIMIT are sampled, not enumerated:
     # num_train (0 = all remaining) caps the training set.
     num_train: int = 0

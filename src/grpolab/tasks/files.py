@@ -11,7 +11,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from grpolab.tasks.base import Example, Task, TaskConfig
+from grpolab.tasks.base import (
+    AUTO_HOLD_OUT_KEEPS,
+    GENERATED_NUM_EVAL,
+    Example,
+    Task,
+    TaskConfig,
+)
 from grpolab.tasks.conversation import Conversation, is_conversation
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -52,28 +58,41 @@ def load_file_task(cfg: TaskConfig) -> Task:
             f"[{cfg.eval_split}]" if cfg.eval_split else ""
         )
     else:
-        # Hold out eval_fraction of the rows, or num_eval rows (at most half), by task.seed.
+        # The rows held out (`_hold_out`) are chosen by task.seed.
         order = list(range(len(examples)))
         random.Random(cfg.seed).shuffle(order)
-        if cfg.eval_fraction is not None:
-            if not 0 <= cfg.eval_fraction < 1:
-                raise ValueError(f"task.eval_fraction={cfg.eval_fraction!r}: expected [0, 1)")
-            n_eval = round(cfg.eval_fraction * len(examples))
-            why = f"task.eval_fraction={cfg.eval_fraction:g} of {cfg.path}"
-        else:
-            n_eval = min(cfg.num_eval, len(examples) // 2)
-            why = (
-                f"task.num_eval={cfg.num_eval} (at most half) of {cfg.path}; "
-                "task.eval_path or task.eval_fraction to choose"
-            )
+        n_eval, why = _hold_out(cfg, len(examples))
         eval_examples = [examples[i] for i in sorted(order[:n_eval])]
         train = [examples[i] for i in sorted(order[n_eval:])]
-        why += f", chosen by task.seed={cfg.seed}"
+        if n_eval:
+            why += f", chosen by task.seed={cfg.seed}"
     if cfg.num_train:
         train = train[: cfg.num_train]
     task = Task(name=cfg.name, train=train, eval=eval_examples, config=cfg)
     task.split_reason = why
     return task
+
+
+def _hold_out(cfg: TaskConfig, rows: int) -> tuple[int, str]:
+    """(how many of a file's `rows` are held out, why): what task.eval_fraction or
+    task.num_eval ask for; unasked, GENERATED_NUM_EVAL rows only when at least
+    AUTO_HOLD_OUT_KEEPS of the file still trains, else none (a user's data is trained on)."""
+    if cfg.eval_fraction is not None:
+        if not 0 <= cfg.eval_fraction < 1:
+            raise ValueError(f"task.eval_fraction={cfg.eval_fraction!r}: expected [0, 1)")
+        return round(cfg.eval_fraction * rows), f"task.eval_fraction={cfg.eval_fraction:g}"
+    if cfg.num_eval is not None:
+        return min(cfg.num_eval, rows), f"task.num_eval={cfg.num_eval}"
+    if rows - GENERATED_NUM_EVAL >= AUTO_HOLD_OUT_KEEPS * rows:
+        return GENERATED_NUM_EVAL, (
+            f"{GENERATED_NUM_EVAL} of {rows} rows held out, {AUTO_HOLD_OUT_KEEPS:.0%} or more "
+            "still train; task.num_eval, task.eval_fraction or task.eval_path to choose"
+        )
+    return 0, (
+        f"no hold-out: {GENERATED_NUM_EVAL} held-out rows would leave less than "
+        f"{AUTO_HOLD_OUT_KEEPS:.0%} of the {rows} to train on; task.num_eval, "
+        "task.eval_fraction or task.eval_path hold rows out for the held-out accuracy"
+    )
 
 
 def _reference_field(cfg: TaskConfig, rows, default: str) -> str | None:

@@ -11,6 +11,7 @@ import copy
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -26,6 +27,7 @@ from grpolab.model import dist as dist_module
 from grpolab.model.lora import is_lora, load_lora_adapter
 from grpolab.model.policy import load_policy, save_policy
 from grpolab.train.setup import Run
+from grpolab.ways import way
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 # Written last, inside the temporary directory, before the rename: the step and the size and
@@ -207,12 +209,12 @@ def resume_point(
     if given is not None:
         path = Path(given)
         if not path.is_dir():
-            raise FileNotFoundError(f"--resume {str(path)!r}: no such checkpoint directory")
+            raise FileNotFoundError(f"{way('resume')} {str(path)!r}: no such checkpoint directory")
         why = damage(path)
         if why is None:
             return path, []
         older = [p for p in list_checkpoints(path.parent) if p != path and damage(p) is None]
-        offer = f"; the newest intact one is {older[-1]}: --resume {older[-1]}" if older else ""
+        offer = f"; the newest intact one is {older[-1]}: resume from it" if older else ""
         raise DamagedCheckpoint(f"checkpoint {str(path)!r} is damaged: {why}{offer}")
     damaged = []
     for path in reversed(list_checkpoints(output_dir)):
@@ -222,7 +224,7 @@ def resume_point(
         damaged.append((path, why))
     listed = "; ".join(f"{p.name}: {why}" for p, why in damaged)
     raise FileNotFoundError(
-        f"--resume: no intact checkpoint in output_dir={str(output_dir)!r}"
+        f"{way('resume')}: no intact checkpoint in output_dir={str(output_dir)!r}"
         + (f" (damaged: {listed})" if damaged else "")
     )
 
@@ -245,15 +247,36 @@ def load_checkpoint(path: str | Path, dtype: str = "float32", device: str = "cpu
             f"{str(path)!r} is not a complete grpolab checkpoint (no {COMPLETE} marker)"
         )
     try:
+        extra = load_trainer_state(path / TRAINER_STATE)
         model, tokenizer = load_policy(path, dtype=dtype, device=device)
-        extra = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
         state = json.loads((path / STATE_JSON).read_text())
+    except UnsafeCheckpoint:
+        raise
     except Exception as e:  # whatever a damaged file raises (safetensors, pickle, JSON, OS)
         raise DamagedCheckpoint(
             f"checkpoint {str(path)!r} cannot be read ({type(e).__name__}: {e}); resume from "
-            "an earlier one with --resume PATH"
+            f"an earlier one with {way('resume_path')}"
         ) from None
     return model, tokenizer, extra, state
+
+
+class UnsafeCheckpoint(DamagedCheckpoint):
+    """A checkpoint file holds objects that loading would have to run code to rebuild."""
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """trainer_state.pt as data: tensors, numbers, strings and containers only (what
+    `save_run` writes: the optimizer's and scheduler's state dicts, RNG states); a file that
+    holds any other object is refused, since unpickling it could run code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))  # torch names the object it refused
+        what = f"it asks for {found.group(1)}" if found else "an object that is not data"
+        raise UnsafeCheckpoint(
+            f"{str(path)!r} holds more than tensors and plain values ({what}): refused, since "
+            "loading it could run code; grpolab never writes such a file"
+        ) from None
 
 
 def check_same_model(start: torch.nn.Module, checkpoint_dir: str | Path) -> None:
@@ -347,7 +370,7 @@ def restore(run: Run, checkpoint_dir: Path) -> tuple[int, dict[str, Any]]:
         load_lora_adapter(model, checkpoint_dir, ADAPTER_DIR)
     elif (checkpoint_dir / ADAPTER_DIR).is_dir():
         raise ValueError(
-            f"--resume {str(checkpoint_dir)!r}: a LoRA checkpoint; resume it with the "
+            f"{way('resume')} {str(checkpoint_dir)!r}: a LoRA checkpoint; resume it with the "
             "trainer.lora_* settings it was trained with"
         )
     elif dist_module.is_sharded(model):
@@ -359,7 +382,7 @@ def restore(run: Run, checkpoint_dir: Path) -> tuple[int, dict[str, Any]]:
         dist_module.load_full_optimizer_state(model, run.optimizer, extra["optimizer"])
     elif dist_module.is_sharded(model):
         raise ValueError(
-            f"--resume {str(checkpoint_dir)!r}: a single-process checkpoint resumes under "
+            f"{way('resume')} {str(checkpoint_dir)!r}: a single-process checkpoint resumes under "
             "parallel.strategy=ddp, not fsdp"
         )
     else:
@@ -421,8 +444,8 @@ def resume_config_changes(
     if changes and not allow:
         listed = ", ".join(f"{k} (was {old!r}, now {new!r})" for k, old, new in changes)
         raise ConfigChangedOnResume(
-            f"--resume: the config differs from {source}'s in keys that change the run: "
-            f"{listed}; restore them, or pass --allow-config-change to apply the new values "
+            f"{way('resume')}: the config differs from {source}'s in keys that change the run: "
+            f"{listed}; restore them, or pass {way('allow_config_change')} to apply the new values "
             "from here on (config.yaml and the checkpoints will record them)"
         )
     return changes

@@ -26,7 +26,14 @@ from rich.console import Console
 from rich.markup import escape
 
 from grpolab import core
-from grpolab.config import Config, load_notes, replaced, to_dict, to_yaml
+from grpolab.config import (
+    Config,
+    differences_from_defaults,
+    load_notes,
+    replaced,
+    to_dict,
+    to_yaml,
+)
 from grpolab.core import CoreFunctions
 from grpolab.model import dist as dist_module
 from grpolab.model.memory import fix_malloc_thresholds, release_freed_memory
@@ -52,18 +59,21 @@ from grpolab.train.monitors import (
     write_capsule,
 )
 from grpolab.train.preflight import preflight_gate
-from grpolab.train.rundir import check_output_dir, prepare_output_dir
+from grpolab.train.rundir import OutputDirError, RunLock, claim_output_dir, prepare_output_dir
 from grpolab.train.setup import (
     Run,
     build_run,
     check_context_fits,
+    load_inputs,
     load_start_model,
+    model_source,
     old_logprobs_from_loss_forward,
     resolve_device,
     task_engine,
 )
 from grpolab.train.step import StepBatch, grpo_step
-from grpolab.train.tracking import Tracker, progress_bar
+from grpolab.train.tracking import Tracker, check_trackers, progress_bar
+from grpolab.ways import way
 
 
 class Interrupted(RuntimeError):
@@ -104,9 +114,11 @@ class Session:
 
 @dataclass
 class Stage:
-    """What the start is doing, for the line a Ctrl-C prints."""
+    """What the start is doing, for the line a Ctrl-C prints, and the run directory's lock
+    once taken (released when the run ends, however it ends)."""
 
     doing: str = "starting"
+    lock: RunLock | None = None
 
 
 def train(
@@ -128,16 +140,20 @@ def train(
     or is interrupted (Interrupted) leaves it as it was."""
     stage = Stage()
     try:
-        session = start(cfg, resume, overwrite, functions, console, allow_config_change, stage)
-        gate(session, skip_preflight, stage)
-    except KeyboardInterrupt:
-        raise Interrupted(
-            f"interrupted while {stage.doing}, before training started; nothing was written "
-            f"(output_dir={cfg.output_dir} is as it was)"
-        ) from None
-    commit(session)
-    steps(session)
-    return finish(session)
+        try:
+            session = start(cfg, resume, overwrite, functions, console, allow_config_change, stage)
+            gate(session, skip_preflight, stage)
+        except KeyboardInterrupt:
+            raise Interrupted(
+                f"interrupted while {stage.doing}, before training started; nothing was written "
+                f"(output_dir={cfg.output_dir} is as it was)"
+            ) from None
+        commit(session)
+        steps(session)
+        return finish(session)
+    finally:
+        if stage.lock is not None:
+            stage.lock.release()
 
 
 # --- Set up ------------------------------------------------------------------------------------
@@ -171,16 +187,22 @@ def start(
     # Every rank names rank 0's directory ({time} may differ between processes).
     cfg = replaced(cfg, {"output_dir": dist_module.all_gather_objects(named, d)[0]})
     run_dir = Path(cfg.output_dir)
-    check_output_dir(run_dir, bool(resume), overwrite)
+    stage.lock = claim(run_dir, bool(resume), overwrite, d)
+    if stage.lock is not None and stage.lock.stale_note:
+        console.print(f"note: {escape(stage.lock.stale_note)}")
     resume_dir, damaged = None, []
     if resume:
         resume_dir, damaged = resume_point(run_dir, None if resume is True else resume)
         check_steps_left(cfg, resume_dir)
 
+    stage.doing = "reading the task and the rewards"
+    inputs = load_inputs(cfg)  # everything knowable before the model, in the first seconds
+    check_trackers(cfg.logging.report_to)
+    source = model_source(cfg)
     stage.doing = "loading the model"
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_start_model(cfg, device)
-    run = build_run(cfg, model, tokenizer, device, functions, d)
+    model, tokenizer = load_start_model(cfg, device, source)
+    run = build_run(cfg, model, tokenizer, device, functions, d, inputs)
     start_step, progress, changes = 0, {}, []
     if resume_dir is not None:
         stage.doing = f"restoring {resume_dir}"
@@ -197,6 +219,20 @@ def start(
     progress = {k: progress[k] for k in PROGRESS_KEYS if k in progress}
     return Session(run, run_dir, log_dir, console, start_step, resume_dir, progress, wall_start,
                    overwrite=overwrite, damaged=damaged)  # fmt: skip
+
+
+def claim(run_dir: Path, resume: bool, overwrite: bool, d) -> RunLock | None:
+    """The run directory checked and locked by rank 0 (every rank raises its refusal)."""
+    lock, refused = None, None
+    if d.main:
+        try:
+            lock = claim_output_dir(run_dir, resume, overwrite)
+        except (OutputDirError, FileExistsError) as e:
+            refused = e
+    refused = dist_module.all_gather_objects(refused, d)[0]
+    if refused is not None:
+        raise refused
+    return lock
 
 
 def check_steps_left(cfg: Config, resume_dir: Path) -> None:
@@ -235,7 +271,7 @@ def gate(session: Session, skip_preflight: bool, stage: Stage | None = None) -> 
     card += f"\n  precision     {run.precision.name} ({run.precision.reason})"
     card += "".join(f"\n  note: {note}" for note in load_notes(cfg))
     session.staged |= {"config.yaml": to_yaml(cfg), "objective.txt": card + "\n"}
-    console.print("[bold]Resolved config[/bold]\n" + to_yaml(cfg))
+    console.print(config_summary(cfg, session.run_dir))
     console.print(escape(card))
     console.print(run.task.describe_split())
     console.print(run.task.describe_answers())
@@ -260,6 +296,17 @@ def gate(session: Session, skip_preflight: bool, stage: Stage | None = None) -> 
     )
 
 
+def config_summary(cfg: Config, run_dir: Path) -> str:
+    """What the console shows of the config: the values that differ from the defaults (the
+    run directory's config.yaml holds every value)."""
+    changed = differences_from_defaults(cfg)
+    lines = [f"  {key} = {value!r}" for key, value in changed if key != "output_dir"]
+    head = f"config: the defaults, except ({run_dir / 'config.yaml'} holds every value):"
+    if not lines:
+        head = f"config: the defaults ({run_dir / 'config.yaml'} holds every value)"
+    return escape("\n".join([head, *lines]))
+
+
 def commit(session: Session) -> None:
     """Training starts: the run directory is prepared (a replaced run deleted, leftovers of
     a save cut short removed, damaged checkpoints set aside), the staged files written and
@@ -267,8 +314,8 @@ def commit(session: Session) -> None:
     run, console, run_dir = session.run, session.console, session.run_dir
     resume = session.resume_dir is not None
     if run.dist.main:
-        for leftover in prepare_output_dir(run_dir, resume, session.overwrite):
-            console.print(f"removed {leftover} (left by a save cut short)")
+        for note in prepare_output_dir(run_dir, resume, session.overwrite):
+            console.print(f"note: {escape(note)}")
         for path, why in session.damaged:  # out of the listing, kept for a look
             console.print(
                 f"[yellow]warning:[/yellow] {path} is damaged ({escape(why)}): resumed from "
@@ -315,17 +362,29 @@ def steps(session: Session) -> None:
             first = step == session.start_step + 1
             if first or step % cfg.logging.logging_steps == 0 or metrics["skipped"] or failing:
                 bar.console.print(session.tracker.console_line(step, cfg.max_steps, metrics))
+            if first and abs(metrics["loss"]) < ZERO_LOSS:
+                bar.console.print(f"note: {ZERO_LOSS_NOTE}")
             stop_if_unhealthy(session, step, warnings, batch)
             if dist_module.any_rank(stop.requested, run.dist):
                 path = save(session, step)
                 session.tracker.close()
                 raise Interrupted(
                     f"stopped after step {step} ({stop.signal_name}); checkpoint {path}; "
-                    f"continue with `grpolab train ... output_dir={session.run_dir} --resume`"
+                    f"continue with {continue_command(session.run_dir)}"
                 )
             every = cfg.checkpoints.save_steps
             if every and step % every == 0 and step < cfg.max_steps:
                 save(session, step)
+
+
+# A loss this close to 0 on the first step is GRPO's own: on-policy the ratio is 1, and the
+# advantages are centred in each group, so the surrogate's value is their mean, about 0.
+ZERO_LOSS = 1e-4
+ZERO_LOSS_NOTE = (
+    "a loss of ~0 is expected: the ratio is 1 before the update and the advantages are centred "
+    "in each group, so the loss's value is about 0 while its gradient (gnorm) is not; the "
+    "reward and the accuracy show the learning"
+)
 
 
 def watch(session: Session, step: int, metrics: dict, batch: StepBatch, console) -> list[str]:
@@ -560,7 +619,14 @@ def last_checkpoint_note(run_dir: Path) -> str:
     latest = latest_checkpoint(run_dir)
     if latest:
         return f"The last checkpoint is {latest}."
-    return "No checkpoint was saved: start it again with --overwrite."
+    return "No checkpoint was saved: the same command starts the run over."
+
+
+def continue_command(run_dir: Path) -> str:
+    """How the caller continues a stopped run."""
+    if way("resume") == "--resume":
+        return f"`grpolab train ... output_dir={run_dir} --resume`"
+    return f"`{way('resume')}` (output_dir={run_dir})"
 
 
 def wide_console() -> Console:

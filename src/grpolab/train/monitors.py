@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,29 @@ class Watch:
     why: str
     lower: bool = False  # the limit is a minimum
     trainer_logp_old_only: bool = False  # the engine's logp_old is not the trainer's
+    # The cause read off the step's metrics, where they tell causes apart (else `why`).
+    explain: Callable[[dict], str | None] | None = None
+
+
+def flat_cause(metrics: dict) -> str | None:
+    """Why the groups are flat, when the step knows which samples are right: a task solved
+    for these prompts, one out of the model's reach, or a reward that varies with neither."""
+    right = metrics.get("frac_reward_zero_std/all_right")
+    wrong = metrics.get("frac_reward_zero_std/all_wrong")
+    flat = metrics.get("frac_reward_zero_std")
+    if not (_known(right) and _known(wrong) and _known(flat)) or flat <= 0:
+        return None
+    if right >= 0.5 * flat:
+        return (
+            f"{right / flat:.0%} of the flat groups are all right: the model has solved these "
+            "prompts, and what is left to learn is in the rest (harder prompts, or stop here)"
+        )
+    if wrong >= 0.5 * flat:
+        return (
+            f"{wrong / flat:.0%} of the flat groups are all wrong: the task is out of the "
+            "model's reach for now (an easier task, a denser reward, more samples per prompt)"
+        )
+    return None
 
 
 WATCHES = (
@@ -144,6 +168,7 @@ WATCHES = (
         "frac_reward_zero_std",
         "zero_std_max",
         "almost no group has reward variance, so almost nothing is learned",
+        explain=flat_cause,
     ),
 )
 
@@ -166,7 +191,8 @@ def check_step(
             continue
         if (value < limit) if w.lower else (value > limit):
             expected = f"{'>=' if w.lower else '<='} {limit:g}"
-            warnings.append(f"step {step}: {w.name} = {value:.3g}, expected {expected} ({w.why})")
+            why = (w.explain(metrics) if w.explain else None) or w.why
+            warnings.append(f"step {step}: {w.name} = {value:.3g}, expected {expected} ({why})")
     return warnings
 
 

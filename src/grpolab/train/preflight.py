@@ -40,10 +40,13 @@ from grpolab.train.setup import (
     BatchPlan,
     Run,
     build_run,
+    load_inputs,
     load_start_model,
+    model_source,
     resolve_device,
     run_precision,
 )
+from grpolab.ways import way
 
 PREFLIGHT_ROWS = 32  # sequences in the preflight batch (whole groups, at least two)
 
@@ -151,9 +154,11 @@ def preflight(
     if cfg.runtime.num_threads:
         torch.set_num_threads(cfg.runtime.num_threads)
     progress = PreflightProgress(console)
+    inputs = load_inputs(cfg)  # the task and rewards first: their mistakes in seconds
+    source = model_source(cfg)
     progress("loading the model")
-    model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device))
-    run = build_run(cfg, model, tokenizer, functions=functions)
+    model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device), source)
+    run = build_run(cfg, model, tokenizer, functions=functions, inputs=inputs)
     if console is not None:
         console.print(run.task.describe_split())
         console.print(run.task.describe_answers())
@@ -211,10 +216,11 @@ class PreflightFailed(RuntimeError):
     """A preflight check failed: training does not start."""
 
 
-SKIP_WARNING = (
-    "preflight skipped (--skip-preflight): the intermediate quantities of this run were not "
-    "checked before training"
-)
+def skip_warning() -> str:
+    return (
+        f"preflight skipped ({way('skip_preflight')}): the intermediate quantities of this run "
+        "were not checked before training"
+    )
 
 
 def preflight_gate(run: Run, console: Console, skip: bool = False) -> str:
@@ -224,8 +230,9 @@ def preflight_gate(run: Run, console: Console, skip: bool = False) -> str:
     own (the run directory is left as it was). The global RNG state is left as found, so a
     resumed run stays bit-exact."""
     if skip:
-        console.print(f"[bold yellow]warning:[/bold yellow] {SKIP_WARNING}")
-        return json.dumps({"skipped": True, "warning": SKIP_WARNING}, indent=2) + "\n"
+        warning = skip_warning()
+        console.print(f"[bold yellow]warning:[/bold yellow] {escape(warning)}")
+        return json.dumps({"skipped": True, "warning": warning}, indent=2) + "\n"
     progress = PreflightProgress(console)
     device = next(run.model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -241,7 +248,7 @@ def preflight_gate(run: Run, console: Console, skip: bool = False) -> str:
         raise PreflightFailed(
             f"preflight: {len(failed)} of {len(results)} checks failed ({ids}); training did not "
             f"start and output_dir={run.cfg.output_dir} is as it was. Details in {details}; "
-            "--skip-preflight overrides"
+            f"{way('skip_preflight')} overrides"
         )
     console.print(f"preflight: all {len(results)} checks pass ({progress.elapsed():.1f} s)")
     return record

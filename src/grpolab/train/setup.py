@@ -28,6 +28,7 @@ from grpolab.model.precision import FP32, Precision, forget_casts_on_step, resol
 from grpolab.rewards import Rewards, load_rewards
 from grpolab.rollout import RolloutEngine, build_engine
 from grpolab.rollout.common import longest_prompt
+from grpolab.rollout.tools import load_tools
 from grpolab.tasks import Task, load_task
 from grpolab.train.evaluate import accuracy_rewards
 
@@ -150,9 +151,53 @@ def model_source(cfg: Config) -> str:
     return resolve_model_source(source, m.gguf_file, m.cache_dir)
 
 
-def load_start_model(cfg: Config, device: torch.device):
-    """The model training starts from, and its tokenizer (`model_source`)."""
-    return load_policy(model_source(cfg), dtype=cfg.model.dtype, device=device)
+def load_start_model(cfg: Config, device: torch.device, source: str | None = None):
+    """The model training starts from, and its tokenizer (`source`: what `model_source`
+    already resolved, else resolved here)."""
+    return load_policy(source or model_source(cfg), dtype=cfg.model.dtype, device=device)
+
+
+# --- What a run reads besides the model, checked before it loads ------------------------------
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The task, the rewards and what else a run reads besides the model: each is loaded and
+    checked in the first seconds, so that a mistake in one never waits for the model, the
+    preflight and the first evaluation."""
+
+    task: Task
+    rewards: Rewards  # the training reward functions
+    accuracy: Rewards  # the accuracy reward alone, for the accuracy metric and evaluation
+
+
+def load_inputs(cfg: Config) -> Inputs:
+    """The task (its rows, split and answer kind against the references), the task's size
+    against the batch, the reward functions (files and names) and the tools; each refusal is
+    one line."""
+    task = load_task(cfg.task)
+    check_task_fits_batch(cfg, task)
+    rewards = load_rewards(
+        cfg.rewards, task=task, max_completion_length=cfg.rollout.max_completion_length
+    )
+    if cfg.rollout.tools and not cfg.rollout.environment:
+        load_tools(cfg.rollout.tools)
+    return Inputs(task, rewards, accuracy_rewards(cfg.rewards, task))
+
+
+def check_task_fits_batch(cfg: Config, task: Task) -> None:
+    """Every step draws batch.prompts_per_step distinct training rows (the same draw on every
+    rank, each keeping its share): the task must have that many."""
+    need, have = cfg.batch.prompts_per_step, len(task.train)
+    if have >= need:
+        return
+    held = f", {len(task.eval)} held out ({task.split_reason})" if task.eval else ""
+    fewer = f"set batch.prompts_per_step to at most {have}" if have else "add rows"
+    more = "hold out fewer rows (task.num_eval, task.eval_fraction) or " if task.eval else ""
+    raise ValueError(
+        f"task {task.name!r} has {have} training rows{held}, and each step draws "
+        f"batch.prompts_per_step={need} distinct ones: {fewer}, or {more}give the task more rows"
+    )
 
 
 def build_run(
@@ -162,11 +207,13 @@ def build_run(
     device: torch.device | None = None,
     functions: CoreFunctions | None = None,
     dist: Dist | None = None,
+    inputs: Inputs | None = None,
 ) -> Run:
     """Task, rewards, engine, reference copy, optimizer and LR schedule around `model`;
     under data parallel the model is sharded (fsdp) or wrapped in DDP (ddp: rank 0's weights
     on every rank) first, before the engine copies it.
-    `functions`: the core functions to train with (default: grpolab's, as configured)."""
+    `functions`: the core functions to train with (default: grpolab's, as configured);
+    `inputs`: the task and rewards when already loaded (`load_inputs`)."""
     functions = functions or core_functions(cfg.runtime.logprobs, cfg.runtime.shared_prefix)
     o = objective_of(cfg)  # the objective, built once for the run
     check_functions_support(functions, o)
@@ -195,7 +242,8 @@ def build_run(
         optimizer, lr_lambda(cfg.schedule.lr_scheduler, cfg.schedule.warmup_steps, total_updates)
     )
     engine = task_engine(cfg, model, tokenizer)
-    task = load_task(cfg.task)  # its answer kind is the accuracy's judge
+    inputs = inputs or load_inputs(cfg)
+    task = inputs.task  # its answer kind is the accuracy's judge
     check_context_fits(cfg, engine, task)
     return Run(
         cfg=cfg,
@@ -205,10 +253,8 @@ def build_run(
         ref_model=ref_model,
         engine=engine,
         task=task,
-        rewards=load_rewards(
-            cfg.rewards, task=task, max_completion_length=cfg.rollout.max_completion_length
-        ),
-        accuracy=accuracy_rewards(cfg.rewards, task),
+        rewards=inputs.rewards,
+        accuracy=inputs.accuracy,
         optimizer=optimizer,
         scheduler=scheduler,
         prompt_generator=seeds.prompt_order(cfg.seed),

@@ -23,7 +23,7 @@ from grpolab import core, seeds
 from grpolab.config import skips_zero_advantage
 from grpolab.model import dist as dist_module
 from grpolab.model.precision import autocast
-from grpolab.rewards import RewardResult, score
+from grpolab.rewards import RewardResult, flat_verdicts, score
 from grpolab.rollout.base import Rollout
 from grpolab.tasks.base import Example
 from grpolab.train.evaluate import correct_answers, strict_correct
@@ -563,6 +563,8 @@ def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, An
     if batch.correct is not None:
         metrics["accuracy"] = float(batch.correct.float().mean())
         metrics["strict_accuracy"] = float(batch.strict.float().mean())
+        G = batch.rows // len(batch.examples)
+        metrics |= flat_verdicts(batch.scores.total, batch.correct, G)  # solved or out of reach
     if batch.rollout.turns is not None and batch.correct is not None:  # right through a tool
         used = [any(t.role == "tool" and not t.error for t in ts) for ts in batch.rollout.turns]
         right = batch.correct.cpu() & torch.tensor(used, dtype=torch.bool)

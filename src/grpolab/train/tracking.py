@@ -156,15 +156,33 @@ class Tracker:
             self._trackio.finish()
 
 
+# The trackers logging.report_to may name that a run cannot go without (TensorBoard is
+# optional: a run without it says so and goes on).
+REQUIRED_TRACKERS = ("wandb", "trackio")
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """At start, without importing them: each required tracker named is installed."""
+    import importlib.util
+
+    for name in report_to:
+        if name in REQUIRED_TRACKERS and importlib.util.find_spec(name) is None:
+            raise _missing(name)
+
+
+def _missing(name: str) -> ValueError:
+    return ValueError(
+        f"logging.report_to lists {name!r} but {name} is not installed (pip install {name})"
+    )
+
+
 def _require(name: str):
     import importlib
 
     try:
         return importlib.import_module(name)
     except ImportError:
-        raise ValueError(
-            f"logging.report_to lists {name!r} but {name} is not installed (pip install {name})"
-        ) from None
+        raise _missing(name) from None
 
 
 def _tensorboard(logdir: Path, console: Console):
