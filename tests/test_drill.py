@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from grpolab.checks import registry
 from grpolab.commands.cli import main
 from grpolab.commands.drill import hints, texts
 from grpolab.commands.drill.runner import FAIL, PASS, TODO, Workbench
-from grpolab.commands.drill.template import MY_GRPO
+from grpolab.commands.drill.template import MY_GRPO, train_command
 from grpolab.core import CORE_FUNCTIONS
 
 TESTS = Path(__file__).parent
@@ -153,7 +154,7 @@ def run_piped(ws: Path, commands: str, *args: str, **env: str) -> subprocess.Com
     )
 
 
-def test_piped_session_in_chinese_remembers_hints(tmp_path):
+def test_piped_session_in_chinese(tmp_path):
     ws = tmp_path / "ws"
     assert main(["drill", "init", str(ws)]) == 0
     out = run_piped(
@@ -173,9 +174,54 @@ def test_piped_session_in_chinese_remembers_hints(tmp_path):
     assert saved["hints_seen"] == {"write.2": 3}
     assert saved["goals"]["2"]["status"] == TODO
 
-    # --lang wins over the locale; the hints seen are kept between sessions.
+    # --lang wins over the locale.
     out = run_piped(ws, "hint 2\nhint 9\nquit\n", "--lang", "en", LANG="zh_CN.UTF-8")
-    assert "hint 3/3 for goal 2" in out.stdout and "no goal 9" in out.stdout
+    assert "hint 1/3 for goal 2" in out.stdout and "no goal 9" in out.stdout
+
+
+# What a goal's title must not say: how to reach it (code, a keyword argument, the formula).
+GIVE_AWAY = re.compile(r"[\[\]()=_]|torch|unbiased|log_softmax|exp|k3|:-1|0\.28|min\b")
+
+
+@pytest.mark.slow
+def test_goal_titles_say_what_to_achieve_not_how(tmp_path):
+    ws = tmp_path / "ws"
+    assert main(["drill", "init", str(ws)]) == 0
+    commands = "goals\n" + "".join(f"hint {g}\n" for g in range(1, 8))
+    for lang, todo in (("en", "not yet"), ("zh", "还没写")):
+        out = run_piped(ws, commands, "--lang", lang).stdout
+        titles = re.findall(rf"^  \d\. {todo}  (.*)$", out, re.M)
+        assert titles == [texts.GOALS[g][lang] for g in range(1, 8)]
+        assert [t for t in titles if GIVE_AWAY.search(t)] == []
+        topics = re.findall(r"(?:for goal \d \(|的提示 1/3（)(.*?)[)）]:?：?$", out, re.M)
+        assert topics == [texts.goal_topic(g, lang) for g in range(1, 8)]
+
+
+@pytest.mark.slow
+def test_hints_start_over_each_session_unless_continued(tmp_path):
+    ws = tmp_path / "ws"
+    assert main(["drill", "init", str(ws)]) == 0
+    out = run_piped(ws, "hint 2\nhint 2\nhint 3\nquit\n").stdout
+    assert "hint 1/3 for goal 2" in out and "hint 2/3 for goal 2" in out
+    seen = {"write.2": 2, "write.3": 1}
+    assert json.loads((ws / ".drill.json").read_text())["hints_seen"] == seen
+
+    # A new session starts at hint 1 for every goal; the levels seen stay saved.
+    out = run_piped(ws, "hint 2\nhint 3\nhelp\nquit\n").stdout
+    assert "hint 1/3 for goal 2" in out and "hint 1/3 for goal 3" in out
+    assert "hint 2/3" not in out and "grpolab drill DIR --continue" in out
+    assert json.loads((ws / ".drill.json").read_text())["hints_seen"] == seen
+
+    # --continue goes on from the levels seen in earlier sessions.
+    out = run_piped(ws, "hint 2\nhint 3\nhint 4\nquit\n", "--continue").stdout
+    assert out.startswith("--continue: the hints go on from the levels seen")
+    assert "hint 3/3 for goal 2" in out and "hint 2/3 for goal 3" in out
+    assert "hint 1/3 for goal 4" in out
+
+    zh = run_piped(ws, "hint 2\nhelp\nquit\n", LANG="zh_CN.UTF-8").stdout
+    assert "目标 2 的提示 1/3" in zh and "grpolab drill DIR --continue" in zh
+    zh = run_piped(ws, "hint 2\nquit\n", "--continue", LANG="zh_CN.UTF-8").stdout
+    assert zh.startswith("--continue：提示接着") and "目标 2 的提示 3/3" in zh
 
 
 def test_drill_check_exit_codes_and_json(tmp_path):
@@ -189,6 +235,9 @@ def test_drill_check_exit_codes_and_json(tmp_path):
     report = json.loads(out.stdout)
     assert [g["status"] for g in report["goals"]] == [TODO] * 7
     assert report["goals"][2]["todo"] == ["sequence_logprobs", "grpo_loss"]
+    text = subprocess.run(cmd[:-1], capture_output=True, text=True, env=drill_env(), timeout=300)
+    last = text.stdout.rstrip().splitlines()[-1]
+    assert last == f"0/7 goals pass. `grpolab drill {ws}` gives hints goal by goal."
 
     write(ws / "my_grpo.py", SOLUTION)
     out = subprocess.run(cmd, capture_output=True, text=True, env=drill_env(), timeout=600)
@@ -197,6 +246,37 @@ def test_drill_check_exit_codes_and_json(tmp_path):
     assert report["passed"] and report["goals_passed"] == 7
     assert all(c["passed"] for g in report["goals"] for c in g["checks"])
     assert json.loads((ws / ".drill.json").read_text())["passed_ever"] == list(range(1, 8))
+
+
+@pytest.mark.slow
+def test_drill_check_says_how_to_train_in_the_shell(tmp_path):
+    ws = tmp_path / "ws"
+    assert main(["drill", "init", str(ws)]) == 0
+    write(ws / "my_grpo.py", SOLUTION)
+    cmd = [sys.executable, "-m", "grpolab", "drill", "check", str(ws)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=drill_env(), timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "type `train`" not in out.stdout and "all 7 goals pass" in out.stdout
+    command = out.stdout.rstrip().splitlines()[-1].strip()
+    assert command == train_command(ws)
+    argv = shlex.split(command)
+    assert argv[:4] == ["grpolab", "train", "--impl", str(ws / "my_grpo.py")]
+
+    zh = subprocess.run([*cmd, "--lang", "zh"], capture_output=True, text=True, env=drill_env())
+    assert "输入 `train`" not in zh.stdout and zh.stdout.rstrip().endswith(command)
+
+    # The command as printed trains with the learner's file (`grpolab` is the package's).
+    small = ["max_steps=2", "eval.eval_examples=20", "batch.prompts_per_step=4"]
+    trained = subprocess.run(
+        [sys.executable, "-m", "grpolab", *argv[1:], *small],
+        capture_output=True,
+        text=True,
+        env=drill_env(),
+        timeout=600,
+    )
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    summary = json.loads((ws / "runs" / "drill" / "summary.json").read_text())
+    assert summary["steps"] == 2
 
 
 def test_train_impl_reports_a_broken_file(tmp_path):
@@ -253,9 +333,10 @@ def test_errors_in_the_learners_code_point_at_its_line(bench, tmp_path):
     report = bench.check(path)
     line = line_of(wrong_shape, "    return adv")
     assert report.goals[2].status == FAIL
-    assert report.goals[2].problems == [
+    assert [p.text() for p in report.goals[2].problems] == [
         f"my_grpo.py:{line}: group_advantages returned advantages of shape [4, 8], expected [32]"
     ]
+    assert report.goals[2].problems[0].line == line
 
     nan = SOLUTION.replace(
         "    return token_logprobs, mask", "    return token_logprobs * 0 / 0, mask"
@@ -266,7 +347,7 @@ def test_errors_in_the_learners_code_point_at_its_line(bench, tmp_path):
     assert report.goals[1].status == FAIL
     assert (
         f"my_grpo.py:{line}: sequence_logprobs returned logp containing NaN"
-        in (report.goals[1].problems[0])
+        in report.goals[1].problems[0].text()
     )
 
     path.write_text(SOLUTION.replace("def kl_k3(logp_new, logp_ref):", "def kl_k3(logp_new)"))

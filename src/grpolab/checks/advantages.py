@@ -55,8 +55,8 @@ def contiguous(ctx):
     perm = torch.stack([g.roll(k + 1) for k, g in enumerate(groups)]).flatten()
     gap = max_abs(advantages_of(ctx, rewards[perm], 4, lengths[perm]) - adv[perm])
     return ctx.result(
-        "max |adv(reordered) - adv reordered|, groups and the samples inside each reordered "
-        "(group i = samples [i*G, (i+1)*G))",
+        "max |adv(reordered) - adv reordered| on designed rewards (G = 4), groups and the "
+        "samples inside each reordered (group i = samples [i*G, (i+1)*G))",
         gap,
         "<= 1e-6",
         gap <= 1e-6,
@@ -75,8 +75,9 @@ def group_sums(ctx):
         max_abs(adv.view(-1, 4).sum(1) - ref.view(-1, 4).sum(1)),
     )
     return ctx.result(
-        "max |sum of a group's advantages|"
-        + ("" if o.advantage_estimator != "reinforce_pp" else " - the whitened reference's"),
+        "max |sum of a group's advantages"
+        + ("" if o.advantage_estimator != "reinforce_pp" else " - the whitened reference's")
+        + f"| on the real batch (G = {G}) and designed rewards (G = 4)",
         sums,
         "<= 1e-4",
         sums <= 1e-4,
@@ -93,8 +94,8 @@ def declared_std(ctx):
     stds = adv.view(-1, 4)[live].std(dim=1, unbiased=unbiased)
     dev = max_abs(stds - ref.view(-1, 4)[live].std(dim=1, unbiased=unbiased))
     return ctx.result(
-        f"max |{o.advantage_std} std of a group's advantages - 1| (G = 4; declared "
-        f"{o.advantage_std} std, profile {o.profile})",
+        f"max |{o.advantage_std} std of a group's advantages - 1| on designed rewards (G = 4; "
+        f"declared {o.advantage_std} std, profile {o.profile})",
         dev,
         "<= 1e-2",
         dev <= 1e-2,
@@ -121,7 +122,10 @@ def zero_std_groups(ctx):
         if o.advantage_estimator != "reinforce_pp":  # whitening moves every group
             ok = ok and max_abs(adv.view(-1, 4)[1]) == 0.0
     return ctx.result(
-        f"{what} in an equal-reward group and a 1e-9-noise group", worst, expected, ok
+        f"{what} in an equal-reward group and a 1e-9-noise group (designed rewards, G = 4)",
+        worst,
+        expected,
+        ok,
     )
 
 

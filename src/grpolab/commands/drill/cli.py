@@ -16,7 +16,7 @@ ACTIONS = ("init", "check")
 
 def resolve_dir(given: str | None) -> Path:
     """DIR, else the current directory when it holds my_grpo.py, else grpo-drill."""
-    from grpolab.commands.drill.session import IMPL_FILE
+    from grpolab.commands.drill.template import IMPL_FILE
 
     if given:
         return Path(given)
@@ -24,8 +24,7 @@ def resolve_dir(given: str | None) -> Path:
 
 
 def cmd_init(directory: Path, lang: str) -> int:
-    from grpolab.commands.drill.session import IMPL_FILE
-    from grpolab.commands.drill.template import init_workspace
+    from grpolab.commands.drill.template import IMPL_FILE, init_workspace
 
     written, kept = init_workspace(directory)
     for path in written:
@@ -40,8 +39,8 @@ def cmd_check(directory: Path, lang: str, as_json: bool) -> int:
     """Exit 0 when all seven goals pass, 1 otherwise, 2 when there is no workspace."""
     from grpolab.commands.drill import render
     from grpolab.commands.drill.runner import Workbench
-    from grpolab.commands.drill.session import IMPL_FILE
     from grpolab.commands.drill.state import load_state, save_state
+    from grpolab.commands.drill.template import IMPL_FILE, train_command
 
     path = directory / IMPL_FILE
     if not path.is_file():
@@ -55,7 +54,8 @@ def cmd_check(directory: Path, lang: str, as_json: bool) -> int:
         print_json(json.dumps(report.to_json(), indent=2, default=str))
     else:
         paint = render.Painter.for_stream(sys.stdout)
-        print("\n".join(render.report_lines(report, lang, paint)))
+        shell = render.Shell(str(directory), train_command(directory))
+        print("\n".join(render.report_lines(report, lang, paint, shell)))
     return 0 if report.all_pass else 1
 
 
@@ -64,7 +64,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
     words = list(args.words)
     action = words.pop(0) if words and words[0] in ACTIONS else None
     if len(words) > 1:
-        print(f"grpolab drill: error: unexpected arguments {words[1:]}", file=sys.stderr)
+        print(msg("bad_arguments", lang, args=words[1:]), file=sys.stderr)
         return 2
     given = words[0] if words else None
     if action == "init":
@@ -72,12 +72,13 @@ def cmd_drill(args: argparse.Namespace) -> int:
     directory = resolve_dir(given)
     if action == "check":
         return cmd_check(directory, lang, args.json)
-    from grpolab.commands.drill.session import IMPL_FILE, run_session
+    from grpolab.commands.drill.session import run_session
+    from grpolab.commands.drill.template import IMPL_FILE
 
     if not (directory / IMPL_FILE).is_file():
         print(msg("no_workspace", lang, path=directory / IMPL_FILE, dir=directory))
         return 2
-    return run_session(directory, lang)
+    return run_session(directory, lang, continue_hints=args.continue_hints)
 
 
 def add_drill_parser(sub) -> None:
@@ -85,9 +86,17 @@ def add_drill_parser(sub) -> None:
         "drill",
         help="write GRPO's core yourself, check it goal by goal, then train with it",
         description="grpolab drill init DIR | grpolab drill check DIR [--json] | "
-        "grpolab drill [DIR] (interactive: goals, check, hint [N], show N, train, quit)",
+        "grpolab drill [DIR] [--continue] (interactive: goals, check, hint [N], show N, train, "
+        "quit)",
     )
     p.add_argument("words", nargs="*", metavar="[init|check] DIR")
     p.add_argument("--lang", choices=LANGS, help="en or zh (default: from LANG / LC_ALL)")
     p.add_argument("--json", action="store_true", help="drill check: print the report as JSON")
+    p.add_argument(
+        "--continue",
+        dest="continue_hints",
+        action="store_true",
+        help="interactive drill: go on from the hints seen in earlier sessions (each session "
+        "starts at hint 1 otherwise)",
+    )
     p.set_defaults(func=cmd_drill)

@@ -78,7 +78,7 @@ HINTS: dict[str, list[dict[str, str]]] = {
     "write.4": [
         {
             "en": "Write policy_loss: the PPO-style clipped surrogate, per token.",
-            "zh": "写 policy_loss：逐 token 的 clip 代理损失。",
+            "zh": "写 policy_loss：逐 token 的裁剪代理损失（PPO 式）。",
         },
         {
             "en": "Broadcast the sequence's advantage to its tokens (advantages.unsqueeze(1)): "
@@ -86,7 +86,7 @@ HINTS: dict[str, list[dict[str, str]]] = {
             "clipped term, and a minus sign because we minimise.",
             "zh": "序列级优势广播到 token 级（advantages.unsqueeze(1)）："
             "「按序列打分，按 token 求梯度」。"
-            "对原始项和 clip 项取 min，加负号因为要最小化。",
+            "对原始项和裁剪项取 min，加负号因为要最小化。",
         },
         {
             "en": "clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)\n"
@@ -244,11 +244,13 @@ HINTS: dict[str, list[dict[str, str]]] = {
         {
             "en": "The drill declares the population std (divide by G), grpolab's seed "
             "convention; torch's default std divides by G-1 (the sample std, what TRL, verl and "
-            "OpenRLHF use: a convention, not a bug, but not the declared one here). With G = 4 "
-            "the two differ by a factor sqrt(4/3).",
+            "OpenRLHF use: a convention, not a bug, but not the declared one here). The two "
+            "differ by a factor sqrt(G/(G-1)): sqrt(4/3) on the check's designed rewards "
+            "(G = 4), sqrt(8/7) on the real batch of `show 2` (G = 8).",
             "zh": "本练习约定用总体标准差（除 G），即 grpolab 种子实现的约定；torch 默认的 std "
             "除的是 G−1（样本标准差，TRL、verl、OpenRLHF 用的就是它：这是另一种约定，不是错误，"
-            "但不是这里声明的约定）。G = 4 时两者差一个 sqrt(4/3) 的因子。",
+            "但不是这里声明的约定）。两者差一个 sqrt(G/(G-1)) 的因子：检查所用的设计奖励"
+            "（G = 4）上是 sqrt(4/3)，`show 2` 的真实 batch（G = 8）上是 sqrt(8/7)。",
         },
         {
             "en": "std = r.std(dim=1, unbiased=False, keepdim=True)",
@@ -317,7 +319,7 @@ HINTS: dict[str, list[dict[str, str]]] = {
         {
             "en": "Your per-token loss differs from the clipped surrogate on some tokens: "
             "check the sign and which of the two terms is taken.",
-            "zh": "你的 per_token 在一些 token 上和 clip 代理损失不一致："
+            "zh": "你的 per_token 在一些 token 上和裁剪代理损失不一致："
             "检查符号，以及取的是两项中的哪一项。",
         },
         {
@@ -334,12 +336,12 @@ HINTS: dict[str, list[dict[str, str]]] = {
     "clip.gradient": [
         {
             "en": "Clipped tokens still get a gradient (or unclipped ones get none).",
-            "zh": "被截断的 token 仍然有梯度（或者没被截断的 token 没有梯度）。",
+            "zh": "被裁剪的 token 仍然有梯度（或者没被裁剪的 token 没有梯度）。",
         },
         {
             "en": "Where the clipped term is the smaller one it is a constant: no gradient. "
             "That only holds with torch.min over the two terms and a clamp of the ratio.",
-            "zh": "clip 项更小时它是常数，没有梯度。"
+            "zh": "裁剪项更小时它是常数，没有梯度。"
             "只有对两项取 torch.min、并对 ratio 做 clamp 才成立。",
         },
         {
@@ -371,12 +373,12 @@ HINTS: dict[str, list[dict[str, str]]] = {
     "clip.clip_frac": [
         {
             "en": "clip_frac does not match a direct count of the clipped tokens.",
-            "zh": "clip_frac 和直接数出来的被截断 token 比例不一致。",
+            "zh": "clip_frac 和直接数出来的被裁剪 token 比例不一致。",
         },
         {
             "en": "clip_frac is the fraction of completion tokens where the clipped term is the "
             "active one: count over the mask only, divide by the number of masked tokens.",
-            "zh": "clip_frac 是 clip 项起作用的 completion token 的比例：只在 mask 内计数，"
+            "zh": "clip_frac 是裁剪项起作用的 completion token 的比例：只在 mask 内计数，"
             "除以 mask 内的 token 数。",
         },
         {

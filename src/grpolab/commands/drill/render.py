@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from grpolab.check import CheckResult
 from grpolab.commands.drill import hints as hints_mod
+from grpolab.commands.drill.check_texts import check_name, check_said
 from grpolab.commands.drill.runner import FAIL, PASS, TODO, DrillReport, GoalResult
 from grpolab.commands.drill.state import DrillState
-from grpolab.commands.drill.texts import check_name, goal_text, msg
+from grpolab.commands.drill.texts import goal_text, goal_topic, load_error_text, msg
 
 COLOURS = {"green": "32", "red": "31", "yellow": "33", "bold": "1", "dim": "2"}
 
@@ -55,24 +55,25 @@ def source_excerpt(path: str | Path, line: int | None) -> list[str]:
     return [f"      {line:>4} | {text[line - 1]}"]
 
 
-def _error_line(error: str) -> int | None:
-    found = re.search(r"\.py:(\d+):", error)
-    return int(found.group(1)) if found else None
-
-
 def short_error(error: str, path: str | Path) -> str:
     """An error naming the learner's file by its name only."""
     return error.replace(str(path), Path(path).name)
 
 
+def measured_text(check_id: str, measured: Any, expected: str | None, lang: str) -> str:
+    """ "name (id): measured   expected ...", the check's expectation in `lang`."""
+    expected = check_said(check_id, expected, lang)
+    return (
+        f"{check_name(check_id, lang)} ({check_id}): {shown(measured)}   "
+        f"{msg('expected_word', lang)} {expected}"
+    )
+
+
 def check_line(r: CheckResult, lang: str, paint: Painter) -> list[str]:
     word = status_word(PASS if r.passed else FAIL, lang, paint)
-    lines = [
-        f"      {word}  {check_name(r.id, lang)} ({r.id}): {shown(r.measured)}   "
-        f"{msg('expected_word', lang)} {r.expected}"
-    ]
+    lines = [f"      {word}  {measured_text(r.id, r.measured, r.expected, lang)}"]
     if not r.passed and r.error is None:
-        lines.append(f"            {r.what}")
+        lines.append(f"            {check_said(r.id, r.what, lang)}")
     return lines
 
 
@@ -89,8 +90,8 @@ def goal_lines(gr: GoalResult, path: str, lang: str, paint: Painter) -> list[str
             lines.append("      " + msg("todo_called", lang, error=error))
         return lines
     for problem in gr.problems:
-        lines.append("      " + paint(msg("code_error", lang, error=problem), "red"))
-        lines += source_excerpt(path, _error_line(problem))
+        lines.append("      " + paint(msg("code_error", lang, error=problem.text(lang)), "red"))
+        lines += source_excerpt(path, problem.line)
     for r in gr.checks:
         lines += check_line(r, lang, paint)
         if r.error:
@@ -99,11 +100,20 @@ def goal_lines(gr: GoalResult, path: str, lang: str, paint: Painter) -> list[str
     return lines
 
 
-def report_lines(report: DrillReport, lang: str, paint: Painter) -> list[str]:
+def load_error_line(error: str, lang: str, paint: Painter) -> str:
+    return paint(msg("load_error", lang, error=load_error_text(error, lang)), "red")
+
+
+def report_lines(
+    report: DrillReport, lang: str, paint: Painter, shell: Shell | None = None
+) -> list[str]:
+    """The report, ending with what to do next: in the session (`shell` None), or in the shell
+    after `grpolab drill check`."""
     if report.load_error:
-        lines = [paint(msg("load_error", lang, error=report.load_error), "red")]
-        lines += source_excerpt(report.path, report.load_line)
-        return lines
+        return [
+            load_error_line(report.load_error, lang, paint),
+            *source_excerpt(report.path, report.load_line),
+        ]
     lines = []
     for gr in report.goals.values():
         lines += goal_lines(gr, report.path, lang, paint)
@@ -111,12 +121,24 @@ def report_lines(report: DrillReport, lang: str, paint: Painter) -> list[str]:
         lines.append(msg("extra_title", lang))
         for r in report.extras:
             lines += check_line(r, lang, paint)
-    return [*lines, verdict_line(report.passed, lang, paint)]
+    return [*lines, verdict_line(report.passed, lang, paint, shell)]
 
 
-def verdict_line(passed: int, lang: str, paint: Painter) -> str:
+@dataclass(frozen=True)
+class Shell:
+    """Where `grpolab drill check` ran: the workspace and the command that trains with it."""
+
+    directory: str
+    train_command: str
+
+
+def verdict_line(passed: int, lang: str, paint: Painter, shell: Shell | None = None) -> str:
+    if passed == 7 and shell:
+        return paint(msg("all_pass_shell", lang, command=shell.train_command), "green")
     if passed == 7:
         return paint(msg("all_pass", lang), "green")
+    if shell:
+        return msg("some_pass_shell", lang, passed=passed, dir=shell.directory)
     return msg("some_pass", lang, passed=passed)
 
 
@@ -129,21 +151,16 @@ def goals_lines(state: DrillState, lang: str, paint: Painter) -> list[str]:
         status = rec.status if rec else TODO
         lines.append(f"  {goal}. {status_word(status, lang, paint)}  {goal_text(goal, lang)}")
         if rec and rec.check:
-            lines.append(
-                f"       {check_name(rec.check, lang)} ({rec.check}): {shown(rec.measured)}   "
-                f"{msg('expected_word', lang)} {rec.expected}"
-            )
+            lines.append(f"       {measured_text(rec.check, rec.measured, rec.expected, lang)}")
         elif state.checked_at is None:
             lines.append(f"       {msg('never_checked', lang)}")
     if state.load_error:
-        lines.append(paint(msg("load_error", lang, error=state.load_error), "red"))
+        lines.append(load_error_line(state.load_error, lang, paint))
     return lines
 
 
 def hint_lines(goal: int, key: str, level: int, lang: str, paint: Painter) -> list[str]:
-    topic = key
-    if key.startswith("write."):  # the goal's name: the text before its first colon
-        topic = re.split("[:：]", goal_text(goal, lang))[0]
+    topic = goal_topic(goal, lang) if key.startswith("write.") else key
     lines = [paint(msg("hint_header", lang, level=level, goal=goal, topic=topic), "bold")]
     lines += ["  " + line for line in hints_mod.hint_text(key, level, lang).splitlines()]
     if level == hints_mod.LEVELS:

@@ -19,6 +19,7 @@ from grpolab.check import CheckResult
 from grpolab.checks.context import PreflightBatch, PreflightSettings
 from grpolab.checks.runner import blamed, run_checks
 from grpolab.commands.drill.diagnose import first_failing, known_bugs
+from grpolab.commands.drill.texts import problem_text
 from grpolab.core import CORE_FUNCTIONS, CoreFunctions
 from grpolab.functions import ImplLoadError, core_functions, impl_error_line, load_impl
 from grpolab.model.policy import eval_mode
@@ -118,33 +119,59 @@ def _shape(x: Any) -> str:
     return type(x).__name__
 
 
-def _tensor_problem(name: str, x: Any, shape: tuple[int, ...] | None, where=None) -> str | None:
+@dataclass(frozen=True)
+class Said:
+    """Something wrong, in no language yet: a key of texts.PROBLEMS and its fields."""
+
+    key: str
+    fields: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A written function breaking its contract (a wrong shape, NaN, an exception), at its
+    line in the learner's file (`where`: "my_grpo.py:12: ", or "" when unknown)."""
+
+    function: str
+    said: Said
+    where: str = ""
+    line: int | None = None
+
+    def text(self, lang: str = "en") -> str:
+        return f"{self.where}{self.function} " + problem_text(
+            self.said.key, lang, **self.said.fields
+        )
+
+
+def _tensor_problem(name: str, x: Any, shape: tuple[int, ...] | None, where=None) -> Said | None:
     """What is wrong with the returned value `x` (None when nothing is)."""
     if not isinstance(x, torch.Tensor):
-        return f"returned {name} as a {type(x).__name__}, expected a tensor"
+        return Said("not_tensor", {"name": name, "type": type(x).__name__})
     if shape is not None and tuple(x.shape) != shape:
-        want = "a scalar" if shape == () else "[" + ", ".join(map(str, shape)) + "]"
         if shape == () and x.numel() == 1:
             return None
-        return f"returned {name} of shape {_shape(x)}, expected {want}"
+        if shape == ():
+            return Said("not_scalar", {"name": name, "shape": _shape(x)})
+        want = "[" + ", ".join(map(str, shape)) + "]"
+        return Said("shape", {"name": name, "shape": _shape(x), "want": want})
     values = x.detach()
     if where is not None and values.shape == where.shape:
         values = values[where]
     if values.is_floating_point() and not torch.isfinite(values).all():
         kind = "NaN" if torch.isnan(values).any() else "inf"
-        return f"returned {name} containing {kind}"
+        return Said("not_finite", {"name": name, "kind": kind})
     return None
 
 
-def _pair(out: Any, what: str) -> tuple[Any, Any] | str:
+def _pair(out: Any, what: str) -> tuple[Any, Any] | Said:
     if not isinstance(out, tuple | list) or len(out) != 2:
-        return f"returned {_shape(out)}, expected a pair {what}"
+        return Said("not_pair", {"shape": _shape(out), "what": what})
     return out[0], out[1]
 
 
 def probe_contracts(
     impl: CoreFunctions, written: Written, model, batch: PreflightBatch, s: PreflightSettings
-) -> dict[str, str]:
+) -> dict[str, Problem]:
     """Call each written function once on real inputs; map function -> what breaks its
     contract (a wrong shape, NaN, an exception), with the line in the learner's file."""
     rows = slice(0, min(4, batch.input_ids.shape[0]))
@@ -162,7 +189,7 @@ def probe_contracts(
                 impl.sequence_logprobs, model, ids, am, cm, s.objective.temperature
             )
         pair = _pair(out, "(logp, mask)")
-        if isinstance(pair, str):
+        if isinstance(pair, Said):
             return pair, line
         valid = cm[:, 1:].bool()
         return (
@@ -185,7 +212,7 @@ def probe_contracts(
             s.objective.epsilon_high,
         )
         pair = _pair(out, "(per_token, clip_frac)")
-        if isinstance(pair, str):
+        if isinstance(pair, Said):
             return pair, line
         return (
             _tensor_problem("per_token", pair[0], (b, T - 1), mask.bool())
@@ -219,9 +246,9 @@ def probe_contracts(
         return _run_probes(probes, written, impl)
 
 
-def _run_probes(probes: dict, written: Written, impl: CoreFunctions) -> dict[str, str]:
+def _run_probes(probes: dict, written: Written, impl: CoreFunctions) -> dict[str, Problem]:
     """function -> its problem, for each written function whose probe finds one."""
-    problems: dict[str, str] = {}
+    problems: dict[str, Problem] = {}
     for name, probe in probes.items():
         if written.state[name] != "written":
             continue
@@ -231,27 +258,27 @@ def _run_probes(probes: dict, written: Written, impl: CoreFunctions) -> dict[str
             continue  # it calls a function still to write: that goal is "not yet"
         except Exception as err:
             line = impl_error_line(err, impl.path) if impl.path else None
-            problem = f"raised {type(err).__name__}: {err}"
+            problem = Said("raised", {"exc": type(err).__name__, "error": str(err)})
         if problem:
             line = line or written.lines.get(name)
             where = f"{Path(impl.path).name}:{line}: " if line else ""
-            problems[name] = f"{where}{name} {problem}"
+            problems[name] = Problem(name, problem, where, line)
     return problems
 
 
-def _loss_problem(out) -> str | None:
+def _loss_problem(out) -> Said | None:
     """What is wrong with grpo_loss's return value (a (loss, metrics) pair), or None."""
     pair = _pair(out, "(loss, metrics)")
-    if isinstance(pair, str):
+    if isinstance(pair, Said):
         return pair
     loss, metrics = pair
     problem = _tensor_problem("a loss", loss, ())
     if problem is None and not isinstance(metrics, Mapping):
-        problem = f"returned metrics as a {type(metrics).__name__}, expected a dict"
+        problem = Said("metrics_type", {"type": type(metrics).__name__})
     if problem is None:
         absent = [k for k in METRIC_KEYS if k not in metrics]
         if absent:
-            problem = f"returned metrics without {', '.join(absent)}"
+            problem = Said("metrics_missing", {"keys": ", ".join(absent)})
     return problem
 
 
@@ -265,7 +292,7 @@ class GoalResult:
     checks: list[CheckResult] = field(default_factory=list)
     todo: list[str] = field(default_factory=list)  # functions still raising NotImplementedError
     missing: list[str] = field(default_factory=list)  # functions the file does not define
-    problems: list[str] = field(default_factory=list)  # contract breaks, with file:line
+    problems: list[Problem] = field(default_factory=list)  # contract breaks, at file:line
     not_written_call: str | None = None  # a NotImplementedError met while checking
     hint_key: str = ""  # the hint that matches why the goal does not pass
 
@@ -280,7 +307,7 @@ class GoalResult:
             "status": self.status,
             "todo": self.todo,
             "missing": self.missing,
-            "problems": self.problems,
+            "problems": [p.text() for p in self.problems],
             "hint_key": self.hint_key,
             "checks": [r.to_json() for r in self.checks],
         }
@@ -319,7 +346,7 @@ def _raised_not_implemented(r: CheckResult) -> bool:
 
 
 def goal_results(
-    results: list[CheckResult], written: Written, problems: dict[str, str]
+    results: list[CheckResult], written: Written, problems: dict[str, Problem]
 ) -> dict[int, GoalResult]:
     """Each goal's status: todo while one of its functions is unwritten, fail when its
     functions break their contract or a check fails, else pass."""

@@ -27,11 +27,10 @@ from grpolab.commands.drill.runner import (
 )
 from grpolab.commands.drill.show import show_goal
 from grpolab.commands.drill.state import STATE_FILE, DrillState, load_state, save_state
+from grpolab.commands.drill.template import IMPL_FILE, RUN_DIR, train_args
 from grpolab.commands.drill.texts import msg
 from grpolab.functions import ImplLoadError, impl_error_line, load_impl
 
-IMPL_FILE = "my_grpo.py"
-RUN_DIR = "runs/drill"
 PROMPT = "drill> "
 
 
@@ -78,6 +77,9 @@ class Session:
     echo: bool = False  # repeat each command after the prompt (input that is not a terminal)
     bench: Workbench = field(default_factory=Workbench)
     state: DrillState = field(default_factory=DrillState)
+    # The hint levels seen in this session, by hint key: every session starts at hint 1, or
+    # with --continue at the levels the state kept from earlier sessions.
+    hint_levels: dict[str, int] = field(default_factory=dict)
     report: DrillReport | None = None
     checked: tuple[int, int] | None = None  # the file signature of the last check
     paint: render.Painter = field(default_factory=render.Painter)
@@ -120,8 +122,7 @@ class Session:
     def hint(self, arg: str | None) -> None:
         report = self.report
         if report and report.load_error:  # nothing else can be checked before the file loads
-            self.say(self.paint(msg("load_error", self.lang, error=report.load_error), "red"))
-            self.say(*render.source_excerpt(report.path, report.load_line))
+            self.say(*render.report_lines(report, self.lang, self.paint))
             return
         if arg:
             goal = parse_goal(arg)
@@ -138,7 +139,8 @@ class Session:
         key = gr.hint_key if gr and gr.hint_key else f"write.{goal}"
         if gr and gr.status == PASS:
             self.say(msg("hint_passing", self.lang, goal=goal))
-        level = hints_mod.next_level(self.state.hints_seen.get(key, 0))
+        level = hints_mod.next_level(self.hint_levels.get(key, 0))
+        self.hint_levels[key] = level
         self.state.hints_seen[key] = max(level, self.state.hints_seen.get(key, 0))
         save_state(self.directory, self.state)
         self.say(*render.hint_lines(goal, key, level, self.lang, self.paint))
@@ -152,7 +154,7 @@ class Session:
             impl = load_impl(self.impl_path)
         except ImplLoadError as err:
             error = render.short_error(str(err), self.impl_path)
-            self.say(msg("load_error", self.lang, error=error))
+            self.say(render.load_error_line(error, self.lang, self.paint))
             self.say(*render.source_excerpt(self.impl_path, err.line))
             return
         written = written_functions(self.impl_path.read_text(encoding="utf-8"), impl)
@@ -172,13 +174,7 @@ class Session:
             self.say(msg("train_locked", self.lang, passed=passed))
             return
         run_dir = self.directory / RUN_DIR
-        args = [
-            "--impl",
-            str(self.impl_path),
-            "--overwrite",
-            f"output_dir={run_dir}",
-            *overrides,
-        ]
+        args = train_args(self.directory, overrides)
         self.say(msg("train_start", self.lang, path=self.impl_path.name, args=shlex.join(args)))
         summary_path = run_dir / "summary.json"
         summary_path.unlink(missing_ok=True)
@@ -193,7 +189,7 @@ class Session:
             errors="replace",
             env=env,
         )
-        for line in quiet_config(proc.stdout, run_dir / "config.yaml"):
+        for line in quiet_config(proc.stdout, run_dir / "config.yaml", self.lang):
             self.say(line)
         code = proc.wait()
         if code != 0 or not summary_path.is_file():
@@ -266,14 +262,14 @@ class Session:
             self.prompt()
 
 
-def quiet_config(lines: Iterator[str], config_path: Path) -> Iterator[str]:
+def quiet_config(lines: Iterator[str], config_path: Path, lang: str) -> Iterator[str]:
     """The trainer's output without its full resolved config (it is in config.yaml)."""
     skipping = False
     for line in lines:
         line = line.rstrip("\n")
         if line.startswith("Resolved config"):
             skipping = True
-            yield f"resolved config: {config_path}"
+            yield msg("resolved_config", lang, path=config_path)
         elif skipping and line.startswith("GRPO objective"):
             skipping = False
         if not skipping:
@@ -291,22 +287,29 @@ def train_result(summary: dict, run_dir: Path, lang: str) -> str:
         before=pct(summary.get("accuracy_before")),
         after=pct(summary.get("accuracy_after")),
         steps=summary.get("steps"),
-        gain="-" if gain is None else f"{gain:+.1f} points",
+        gain="-" if gain is None else msg("gain_points", lang, gain=gain),
         run_dir=run_dir,
     )
 
 
-def run_session(directory: Path, lang: str, stdin: TextIO | None = None) -> int:
-    """The interactive drill until `quit` or the end of the input."""
+def run_session(
+    directory: Path, lang: str, stdin: TextIO | None = None, continue_hints: bool = False
+) -> int:
+    """The interactive drill until `quit` or the end of the input; with `continue_hints` the
+    hints go on from the levels earlier sessions reached."""
     stdin = stdin or sys.stdin
+    state = load_state(directory)
     session = Session(
         directory=directory,
         lang=lang,
         echo=not stdin.isatty(),
-        state=load_state(directory),
+        state=state,
+        hint_levels=dict(state.hints_seen) if continue_hints else {},
         paint=render.Painter.for_stream(sys.stdout),
     )
     session.bench.on_load = lambda: session.say(msg("loading", lang))
+    if continue_hints:
+        session.say(msg("hints_continued", lang))
     session.start()
     try:
         for line in read_lines(stdin.fileno(), session.on_idle):

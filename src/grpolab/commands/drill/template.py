@@ -1,8 +1,32 @@
-"""The drill's workspace: my_grpo.py with the six core functions to write, and a README."""
+"""The drill's workspace: my_grpo.py with the six core functions to write, a README, and the
+run directory that `train` writes."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
+
+IMPL_FILE = "my_grpo.py"
+RUN_DIR = "runs/drill"
+
+
+def train_args(directory: str | Path, overrides: list[str] = ()) -> list[str]:
+    """`grpolab train`'s arguments that train the demo model with the workspace's functions:
+    what the session's `train` runs, and what `grpolab drill check` says to run."""
+    directory = Path(directory)
+    return [
+        "--impl",
+        str(directory / IMPL_FILE),
+        "--overwrite",
+        f"output_dir={directory / RUN_DIR}",
+        *overrides,
+    ]
+
+
+def train_command(directory: str | Path) -> str:
+    """The shell command that trains with the workspace's functions."""
+    return shlex.join(["grpolab", "train", *train_args(directory)])
+
 
 MY_GRPO = '''"""My GRPO core: the six functions of GRPO, written by hand.
 
@@ -113,7 +137,8 @@ a real rollout batch and tells you which goal passes.
 In the drill: `goals` lists the seven goals, `check` runs the checks (saving my_grpo.py
 re-runs them), `hint [N]` gives the next hint for goal N, `show N` prints goal N's
 quantity on the real batch, and `train` (once every goal passes) trains the demo model
-with your functions. Progress is kept in `.drill.json`.
+with your functions. Progress is kept in `.drill.json`; every session starts the hints at
+hint 1, and `grpolab drill . --continue` goes on from the hints seen in earlier sessions.
 """
 
 FILES = {"my_grpo.py": MY_GRPO, "README.md": README}

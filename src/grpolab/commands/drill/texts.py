@@ -1,79 +1,50 @@
-"""Every text the drill prints, in English and in Chinese (the course's wording and terms)."""
+"""Every text the drill prints, in English and in Chinese (the course's wording and terms).
+What the checks measured and expect, which grpolab.checks writes in English, is translated by
+check id in check_texts.py."""
 
 from __future__ import annotations
 
 import os
+import re
+from functools import cache
 
 LANGS = ("en", "zh")
 
-# The seven goals, one per piece of the algorithm; zh follows the course's "这节课的落点".
+# The seven goals, one per piece of the algorithm: what to achieve, never how (the hints
+# escalate to the exact line; a title does not). The text before the colon names the goal.
 GOALS: dict[int, dict[str, str]] = {
     1: {
-        "en": "log-probs: logits[:, :-1] against input_ids[:, 1:], float32 before "
-        "log_softmax, temperature applied",
-        "zh": "logprob：logits[:, :-1] 配 input_ids[:, 1:]，log_softmax 前转 float32，除以采样温度",
+        "en": "log-probs: each token scored by the logits that predict it, in full precision, "
+        "at the sampling temperature",
+        "zh": "对数概率：每个 token 由预测它的那一位 logits 打分，精度不丢，并与采样温度一致",
     },
     2: {
-        "en": "advantages: population std (unbiased=False), exactly 0 where std ~ 0, "
-        "groups contiguous, group sums ~ 0",
-        "zh": "优势：总体标准差（unbiased=False），std 接近 0 时显式归零，同组样本必须连续，"
-        "每组之和接近 0",
+        "en": "advantages: normalised within each group, 0 for a group with no spread, each "
+        "group one prompt's samples",
+        "zh": "优势：在组内归一化；组内奖励没有差异时优势为 0；每组恰好是同一个 prompt 的样本",
     },
     3: {
-        "en": "ratio: logp_old from an extra forward, exactly 1 before the first update",
-        "zh": "ratio：logp_old 建议多跑一次前向拿（方案 A），初值必须恒为 1",
+        "en": "ratio: new over old policy, exactly 1 before the first update",
+        "zh": "比率：新旧策略之比，第一次更新之前恒为 1",
     },
     4: {
-        "en": "clip: torch.min acts in both directions; asymmetric eps (0.2 / 0.28) on the "
-        "right sides",
-        "zh": "clip：torch.min 让它对两个方向都生效；非对称 eps（0.2/0.28）用在正确的一侧",
+        "en": "clip: the update bounded in both directions, each bound on its own side",
+        "zh": "裁剪：更新幅度在两个方向上都受限，上下界各管自己的一侧",
     },
     5: {
-        "en": "KL: k3 = exp(d) - d - 1, never negative, tracks the true KL",
-        "zh": "KL：用 k3 估计 exp(d)-d-1，恒非负且方差小，期望等于真实 KL",
+        "en": "KL: a per-token estimate that is never negative, 0 for equal policies, and "
+        "tracks the true KL",
+        "zh": "KL 惩罚：逐 token 的估计恒非负，两个策略相同时为 0，均值等于真实 KL",
     },
     6: {
-        "en": "normalisation: token-mean vs sequence-mean chosen explicitly; prompt and "
-        "padding carry no gradient",
-        "zh": "归一化：token 平权 vs 序列平权不等价，显式选一个；prompt 和 padding 不带梯度",
+        "en": "normalisation: the loss averaged the declared way; prompt and padding carry no "
+        "gradient",
+        "zh": "归一化：loss 按声明的方式平均；prompt 和 padding 不带梯度",
     },
     7: {
-        "en": "the assembled grpo_loss: finite, honest metrics, one step moves the policy "
-        "the right way",
-        "zh": "拼起来：grpo_loss 有限，监控指标只在 mask 内统计，一步更新让模型往对的方向走",
+        "en": "the assembled loss: finite, honest metrics, one step moves the policy the right way",
+        "zh": "组装好的 loss：数值有限，监控指标如实，一步更新让策略往对的方向走",
     },
-}
-
-# A short name for each check, for the check table.
-CHECK_NAMES: dict[str, dict[str, str]] = {
-    "logprobs.shift": {"en": "shifted by one", "zh": "错一位"},
-    "logprobs.float32": {"en": "float32 before log_softmax", "zh": "log_softmax 前转 float32"},
-    "logprobs.temperature": {"en": "temperature applied", "zh": "除以采样温度"},
-    "advantages.group_sums": {"en": "group sums ~ 0", "zh": "每组之和接近 0"},
-    "advantages.population_std": {
-        "en": "population std (divide by G)",
-        "zh": "总体标准差（除 G）",
-    },
-    "advantages.zero_std_groups": {"en": "exactly 0 where std ~ 0", "zh": "std 接近 0 时显式归零"},
-    "advantages.contiguous": {"en": "groups contiguous", "zh": "同组样本连续排列"},
-    "ratio.initial": {"en": "ratio == 1 on the first update", "zh": "初值 ratio 恒为 1"},
-    "clip.values": {"en": "-min(ratio*A, clip(ratio)*A)", "zh": "-min(ratio*A, clip(ratio)*A)"},
-    "clip.gradient": {"en": "no gradient through the clip", "zh": "被截断的 token 没有梯度"},
-    "clip.asymmetric": {"en": "eps_low / eps_high sides", "zh": "eps_low / eps_high 的方向"},
-    "clip.clip_frac": {"en": "clip_frac counted right", "zh": "clip_frac 统计正确"},
-    "kl.nonnegative": {"en": "never negative", "zh": "恒非负"},
-    "kl.identical": {"en": "0 for identical policies", "zh": "两个策略相同时为 0"},
-    "kl.tracks_exact": {"en": "mean equals the true KL", "zh": "期望等于真实 KL"},
-    "norm.aggregation": {"en": "the declared aggregation", "zh": "声明的归一化方式"},
-    "norm.masked_gradient": {
-        "en": "prompt and padding: no gradient",
-        "zh": "prompt 和 padding 没有梯度",
-    },
-    "loss.finite": {"en": "loss is a finite scalar", "zh": "loss 是有限的标量"},
-    "loss.metrics": {"en": "metrics masked", "zh": "监控指标只在 mask 内统计"},
-    "loss.sgd_direction": {"en": "a step goes the right way", "zh": "一步更新方向正确"},
-    "engine.agreement": {"en": "engine agrees with trainer", "zh": "推理引擎与训练一致"},
-    "rewards.variance": {"en": "some group varies", "zh": "有组内奖励有差异"},
 }
 
 MESSAGES: dict[str, dict[str, str]] = {
@@ -87,21 +58,29 @@ MESSAGES: dict[str, dict[str, str]] = {
     "help": {
         "en": "  goals       the seven goals, their status and the last measured number\n"
         "  check       run the checks on my_grpo.py (saving the file re-checks it)\n"
-        "  hint [N]    the next hint for goal N (default: the first goal not passing)\n"
+        "  hint [N]    the next hint for goal N (default: the first goal not passing);\n"
+        "              every session starts at hint 1 (`grpolab drill DIR --continue` goes on\n"
+        "              from the hints seen in earlier sessions)\n"
         "  show N      print goal N's intermediate quantity on the real batch\n"
         "  train [KEY=VALUE ...]  train the demo model with your functions (all goals pass)\n"
         "  help        this list\n"
         "  quit        leave (progress is kept in .drill.json)",
         "zh": "  goals       七个目标、状态和上次测得的数值\n"
         "  check       检查 my_grpo.py（保存文件会自动重新检查）\n"
-        "  hint [N]    目标 N 的下一条提示（默认：第一个没通过的目标）\n"
+        "  hint [N]    目标 N 的下一条提示（默认：第一个没通过的目标）；\n"
+        "              每次会话都从第 1 条提示开始（`grpolab drill DIR --continue` 接着之前\n"
+        "              会话已看过的提示往下给）\n"
         "  show N      在真实 batch 上打印目标 N 的中间量\n"
         "  train [KEY=VALUE ...]  用你的函数训练 demo 模型（七项全部通过后）\n"
         "  help        本列表\n"
         "  quit        退出（进度保存在 .drill.json）",
     },
+    "hints_continued": {
+        "en": "--continue: the hints go on from the levels seen in earlier sessions",
+        "zh": "--continue：提示接着之前会话已看到的级别往下给",
+    },
     "goal_word": {"en": "goal", "zh": "目标"},
-    "expected_word": {"en": "expected", "zh": "期望"},
+    "expected_word": {"en": "expected", "zh": "要求"},
     "goals_title": {"en": "Goals ({passed}/7 pass)", "zh": "目标（{passed}/7 通过）"},
     "status_pass": {"en": "pass", "zh": "通过"},
     "status_fail": {"en": "FAIL", "zh": "未通过"},
@@ -121,6 +100,14 @@ MESSAGES: dict[str, dict[str, str]] = {
         "en": "{passed}/7 goals pass. `hint` gives a hint for the first goal not passing.",
         "zh": "{passed}/7 项通过。`hint` 给第一个没通过的目标一条提示。",
     },
+    "all_pass_shell": {
+        "en": "all 7 goals pass. Train the demo model with your functions:\n  {command}",
+        "zh": "七项全部通过。用你的函数训练 demo 模型：\n  {command}",
+    },
+    "some_pass_shell": {
+        "en": "{passed}/7 goals pass. `grpolab drill {dir}` gives hints goal by goal.",
+        "zh": "{passed}/7 项通过。运行 `grpolab drill {dir}` 可以逐个目标看提示。",
+    },
     "todo_functions": {
         "en": "write {functions} first (still raising NotImplementedError)",
         "zh": "先写 {functions}（还在 raise NotImplementedError）",
@@ -138,7 +125,6 @@ MESSAGES: dict[str, dict[str, str]] = {
         "zh": "你的文件加载失败：{error}",
     },
     "code_error": {"en": "error in your code: {error}", "zh": "你的代码出错：{error}"},
-    "likely_bug": {"en": "likely bug: {hint}", "zh": "可能的 bug：{hint}"},
     "extra_title": {
         "en": "beyond the seven goals (shown, not required):",
         "zh": "七项之外（仅显示，不要求）：",
@@ -175,14 +161,17 @@ MESSAGES: dict[str, dict[str, str]] = {
     },
     "train_start": {
         "en": "training the demo model with {path}: grpolab train {args}",
-        "zh": "用 {path} 训练 demo 模型：grpolab train {args}",
+        "zh": "用 {path} 训练 demo 模型：grpolab train {args}\n"
+        "（下面是 grpolab train 自己的输出，为英文）",
     },
+    "resolved_config": {"en": "resolved config: {path}", "zh": "完整配置见 {path}"},
     "train_done": {
         "en": "held-out accuracy with your GRPO: {before} before -> {after} after {steps} "
         "steps ({gain}); run directory {run_dir}",
-        "zh": "你的 GRPO：held-out 准确率 训练前 {before} -> 训练后 {after}，{steps} 步"
+        "zh": "你的 GRPO：留出集准确率 训练前 {before} -> 训练 {steps} 步后 {after}"
         "（{gain}）；运行目录 {run_dir}",
     },
+    "gain_points": {"en": "{gain:+.1f} points", "zh": "{gain:+.1f} 个百分点"},
     "train_failed": {
         "en": "training stopped with exit code {code} (see the output above)",
         "zh": "训练以退出码 {code} 结束（见上面的输出）",
@@ -203,6 +192,10 @@ MESSAGES: dict[str, dict[str, str]] = {
         "en": "{path} does not exist: create the workspace with `grpolab drill init {dir}`",
         "zh": "{path} 不存在：先用 `grpolab drill init {dir}` 创建工作区",
     },
+    "bad_arguments": {
+        "en": "grpolab drill: error: unexpected arguments {args}",
+        "zh": "grpolab drill：错误：多余的参数 {args}",
+    },
     "init_written": {"en": "wrote {path}", "zh": "已写入 {path}"},
     "init_kept": {
         "en": "kept {path} (exists; never overwritten)",
@@ -218,19 +211,70 @@ MESSAGES: dict[str, dict[str, str]] = {
     },
 }
 
+# What breaks a function's contract (runner.probe_contracts), after "<file>:<line>: <function> ".
+PROBLEMS: dict[str, dict[str, str]] = {
+    "not_tensor": {
+        "en": "returned {name} as a {type}, expected a tensor",
+        "zh": "返回的 {name} 是 {type}，应为张量",
+    },
+    "shape": {
+        "en": "returned {name} of shape {shape}, expected {want}",
+        "zh": "返回的 {name} 形状为 {shape}，应为 {want}",
+    },
+    "not_scalar": {
+        "en": "returned {name} of shape {shape}, expected a scalar",
+        "zh": "返回的 {name} 形状为 {shape}，应为标量",
+    },
+    "not_finite": {"en": "returned {name} containing {kind}", "zh": "返回的 {name} 含有 {kind}"},
+    "not_pair": {
+        "en": "returned {shape}, expected a pair {what}",
+        "zh": "返回的是 {shape}，应为二元组 {what}",
+    },
+    "metrics_type": {
+        "en": "returned metrics as a {type}, expected a dict",
+        "zh": "返回的 metrics 是 {type}，应为 dict",
+    },
+    "metrics_missing": {
+        "en": "returned metrics without {keys}",
+        "zh": "返回的 metrics 缺少 {keys}",
+    },
+    # the exception's own message follows, as Python wrote it
+    "raised": {"en": "raised {exc}: {error}", "zh": "抛出 {exc}: {error}"},
+}
+
+# The returned values PROBLEMS names in words rather than by a variable's name.
+RETURNED_ZH = {"a value": "值", "a loss": "loss", "KL values": "KL 值"}
+
+# Why my_grpo.py does not load, as grpolab.functions.load_impl words it (English patterns,
+# see `translated`); the Python message after the colon stays as Python wrote it.
+LOAD_ERRORS_ZH: dict[str, str] = {
+    "{where}: syntax error: {message}": "{where}: 语法错误 SyntaxError: {message}",
+    "{where}: {exc} while loading: {message}": "{where}: 加载时抛出 {exc}: {message}",
+    "--impl {path}: no such file": "--impl {path}：文件不存在",
+}
+
 
 # `show N`: the words around the printed quantities.
 SHOW: dict[str, dict[str, str]] = {
     "1_head": {
         "en": "row {row} of the batch ({shapes}): logp[:, t] is the log-prob of token t+1, "
         "mask[:, t] = completion_mask[:, t+1]",
-        "zh": "batch 第 {row} 行（{shapes}）：logp[:, t] 是第 t+1 个 token 的 logprob，"
+        "zh": "batch 第 {row} 行（{shapes}）：logp[:, t] 是第 t+1 个 token 的对数概率，"
         "mask[:, t] = completion_mask[:, t+1]",
     },
+    "1_token": {"en": "token t+1", "zh": "token t+1"},
     "1_sum": {
         "en": "sum of the completion's logp = {total:.4f} (the sequence's log-prob)",
         "zh": "completion 的 logp 之和 = {total:.4f}（整条回答的对数概率）",
     },
+    "2_head": {
+        "en": "the real batch: {groups} groups of G = {G} (goal 2's checks also use designed "
+        "rewards, G = 4: a group of equal rewards, a group of 1e-9 noise)",
+        "zh": "真实 batch：{groups} 组，每组 G = {G}（目标 2 的检查另外还用一组设计的奖励，"
+        "G = 4：一组奖励全相同，一组只差 1e-9 的噪声）",
+    },
+    "2_group": {"en": "group {i}:", "zh": "第 {i} 组"},
+    "2_row_sum": {"en": "row sum", "zh": "行和"},
     "2_note": {"en": "# every row should be ~ 0", "zh": "# 每一行都应该接近 0"},
     "3_head": {
         "en": "logp_old: an extra forward right after sampling; logp_new: the first "
@@ -241,16 +285,25 @@ SHOW: dict[str, dict[str, str]] = {
         "en": "ratio = exp(logp_new - logp_old) over {n} completion tokens:",
         "zh": "ratio = exp(logp_new - logp_old)，共 {n} 个 completion token：",
     },
+    "3_bound": {
+        "en": "(should be allclose to 1, atol=1e-3)",
+        "zh": "（应与 1 allclose，atol=1e-3）",
+    },
     "4_head": {
         "en": "eps_low {lo:g}, eps_high {hi:g}: ratio clipped to [{a:g}, {b:g}]",
-        "zh": "eps_low {lo:g}，eps_high {hi:g}：ratio 截断到 [{a:g}, {b:g}]",
+        "zh": "eps_low {lo:g}，eps_high {hi:g}：ratio 裁剪到 [{a:g}, {b:g}]",
     },
+    "4_clipped": {"en": "clipped", "zh": "裁剪后"},
+    "expected_col": {"en": "expected", "zh": "应为"},
     "5_head": {
         "en": "the model's least certain next-token distribution in the batch (new) and a "
         "perturbed copy (ref); 4096 tokens sampled from new:",
         "zh": "batch 里模型最不确定的一个下一 token 分布（new）和它的扰动版本（ref）；"
         "从 new 采样 4096 个 token：",
     },
+    "5_first": {"en": "kl_k3 of the first 8 samples:", "zh": "前 8 个样本的 kl_k3："},
+    "5_naive": {"en": "naive logp_new - logp_ref:", "zh": "朴素估计 logp_new - logp_ref："},
+    "5_exact": {"en": "exact KL(new || ref)", "zh": "精确的 KL(new || ref)"},
     "5_note": {
         "en": "(the k3 mean should be close to it, and its min >= 0)",
         "zh": "（k3 的均值应接近它，且最小值 >= 0）",
@@ -297,6 +350,54 @@ def goal_text(goal: int, lang: str) -> str:
     return GOALS[goal][lang]
 
 
-def check_name(check_id: str, lang: str) -> str:
-    names = CHECK_NAMES.get(check_id)
-    return names[lang] if names else check_id
+def goal_topic(goal: int, lang: str) -> str:
+    """The goal's name: its title before the colon."""
+    return re.split("[:：]", goal_text(goal, lang))[0]
+
+
+def problem_text(key: str, lang: str, **fields) -> str:
+    if lang == "zh":
+        fields = {k: RETURNED_ZH.get(v, v) for k, v in fields.items()}
+    return PROBLEMS[key][lang].format(**fields)
+
+
+def load_error_text(error: str, lang: str) -> str:
+    return translated(error, LOAD_ERRORS_ZH) if lang == "zh" else error
+
+
+# --- English text written elsewhere, in Chinese -----------------------------------------------
+# A table maps English patterns to Chinese: "{name}" in a pattern matches any text (numbers,
+# identifiers, the values a check measured) and fills the same "{name}" of the Chinese; a name
+# used twice must match the same text twice. The English is what grpolab.checks writes, so a
+# number or a tolerance lives only there.
+
+# Values of a pattern's fields that are English words: what they are in Chinese.
+FIELD_WORDS_ZH = {"population": "总体", "sample": "样本"}
+
+
+@cache
+def _compiled(pattern: str) -> re.Pattern:
+    parts, seen = [], set()
+    for literal, name in re.findall(r"([^{]*)(?:\{(\w+)\})?", pattern):
+        parts.append(re.escape(literal))
+        if name:
+            parts.append(f"(?P={name})" if name in seen else f"(?P<{name}>.+?)")
+            seen.add(name)
+    return re.compile("".join(parts), re.DOTALL)
+
+
+def translation(text: str, table: dict[str, str]) -> str | None:
+    """`text` in Chinese by the first pattern of `table` that matches all of it, else None."""
+    for pattern, zh in table.items():
+        found = _compiled(pattern).fullmatch(text)
+        if found:
+            fields = {k: FIELD_WORDS_ZH.get(v, v) for k, v in found.groupdict().items()}
+            return zh.format(**fields)
+    return None
+
+
+def translated(text: str, table: dict[str, str]) -> str:
+    """`text` in Chinese, or as it is when no pattern matches (tests/test_drill_texts.py keeps
+    every text the drill shows matched)."""
+    found = translation(text, table)
+    return text if found is None else found
