@@ -12,6 +12,7 @@ run), so that no run's own report is overwritten."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -432,11 +433,12 @@ def override_text(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, float):
-        if value != 0 and not 1e-3 <= abs(value) < 1e5:
-            mantissa, exponent = f"{value:.3e}".split("e")
-            return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
-        return f"{value:.6g}"
+    if isinstance(value, float):  # the fewest digits that read back as the value
+        if value != 0 and math.isfinite(value) and not 1e-3 <= abs(value) < 1e5:
+            digits = next(d for d in range(17) if float(f"{value:.{d}e}") == value)
+            mantissa, exponent = f"{value:.{digits}e}".split("e")
+            return f"{mantissa}e{int(exponent)}"
+        return next(f"{value:.{d}g}" for d in range(1, 18) if float(f"{value:.{d}g}") == value)
     if isinstance(value, list):
         return "[" + ", ".join(override_text(v) for v in value) + "]"
     return str(value)

@@ -454,12 +454,13 @@ def _matplotlib_figure(figure: Figure):
     from matplotlib.ticker import MaxNLocator
 
     heights = [(2.2 if p.lines else 0.25) + 0.2 * _note_lines(p) for p in figure.panels]
-    legend_rows = _legend_rows(figure.runs)
+    drawn = [p for p in figure.panels if p.lines]
+    runs = figure.runs if drawn else []  # a figure of notes names its runs in them
+    legend_rows = _legend_rows(runs)
     size = (6.4, sum(heights) + 0.45 + 0.22 * legend_rows)
     mfig = MplFigure(figsize=size, layout="constrained")
     axes = mfig.subplots(len(heights), 1, squeeze=False, height_ratios=heights)[:, 0]
     mfig.suptitle(figure.title, fontsize=11)
-    drawn = [p for p in figure.panels if p.lines]
     steps = [s for p in drawn for ln in p.lines for s in ln.steps]
     curves = [ln for p in drawn if not p.points for ln in p.lines if not ln.constant]
     window = max([1] + [len(ln.steps) // POINTS_PER_CURVE for ln in curves])
@@ -477,8 +478,8 @@ def _matplotlib_figure(figure: Figure):
         below = [xlabel] if panel is drawn[-1] else []  # the notes go under the x axis
         below += [textwrap.fill(n, NOTE_CHARS) for n in panel.notes]
         ax.set_xlabel("\n".join(below), fontsize=9)
-    if figure.runs:
-        _run_legend(mfig, figure.runs)
+    if runs:
+        _run_legend(mfig, runs)
     return mfig
 
 
