@@ -143,10 +143,10 @@ def trained_with(model: str | None):
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from grpolab.commands.report import write_report
+    from grpolab.commands.report import write_reports
 
     try:
-        write_report(args.run_dir)
+        write_reports([args.run_dir, *args.more_runs], args.output)
     except (FileNotFoundError, ValueError) as e:
         return _fail(str(e))
     return 0
@@ -172,8 +172,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_eval_parser(sub)
 
-    rep = sub.add_parser("report", help="plots and a one-page summary of a run directory")
+    rep = sub.add_parser(
+        "report", help="plots and a one-page summary of a run directory, or of runs compared"
+    )
     rep.add_argument("run_dir")
+    rep.add_argument(
+        "more_runs", nargs="*", metavar="RUN_DIR", help="more runs: their curves overlaid"
+    )
+    rep.add_argument(
+        "--output",
+        metavar="DIR",
+        help="where to write (default: RUN_DIR itself; runs compared: compare-<names> beside "
+        "the first)",
+    )
     rep.set_defaults(func=cmd_report)
 
     wu = sub.add_parser("warmup", help="regenerate a shipped warm-up model (supervised)")

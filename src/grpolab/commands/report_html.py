@@ -1,6 +1,8 @@
 """report.html: one self-contained page (inline SVG curves and CSS, no script, no address
 outside the file) with what a run's reader looks at: the result, the curves, sample
-completions beside the strict verdict, the objective card and the preflight table."""
+completions beside the strict verdict, the objective card and the preflight table; or, for
+runs compared, their results side by side, the config keys they differ in and the curves
+overlaid."""
 
 from __future__ import annotations
 
@@ -25,13 +27,14 @@ h3 { font-size: 16px; margin: 18px 0 6px; }
 .card .v { font-size: 21px; font-weight: 650; } .card .k { color: #5b6575; font-size: 12px; }
 .warn { background: #fff6db; border: 1px solid #e8c766; border-radius: 8px; padding: 8px 14px;
   margin: 12px 0; } .warn li { margin: 2px 0; }
-.figs { display: grid; grid-template-columns: repeat(auto-fit, minmax(520px, 1fr)); gap: 14px;
-  align-items: start; }
+.figs { display: grid; gap: 14px; align-items: start;
+  grid-template-columns: repeat(auto-fit, minmax(min(520px, 100%), 1fr)); }
 figure { background: #fff; border: 1px solid #d9dee7; border-radius: 8px; margin: 0;
   padding: 8px; } figure svg { width: 100%; height: auto; display: block; }
 table { border-collapse: collapse; background: #fff; width: 100%; font-size: 13.5px; }
 table.narrow { width: auto; min-width: 50%; }
-th, td { border: 1px solid #d9dee7; padding: 4px 8px; text-align: left; vertical-align: top; }
+th, td { border: 1px solid #d9dee7; padding: 4px 8px; text-align: left; vertical-align: top;
+  overflow-wrap: anywhere; }
 th { background: #e9edf3; } th.n { width: 1%; white-space: nowrap; }
 tr:nth-child(even) td { background: #f8f9fb; }
 td.text { font-family: ui-monospace, "DejaVu Sans Mono", monospace; white-space: pre-wrap;
@@ -40,6 +43,15 @@ td.text { font-family: ui-monospace, "DejaVu Sans Mono", monospace; white-space:
 pre { background: #fff; border: 1px solid #d9dee7; border-radius: 8px; padding: 12px;
   overflow-x: auto; font-size: 13px; }
 .muted { color: #5b6575; }
+.runs { display: grid; gap: 14px;
+  grid-template-columns: repeat(auto-fit, minmax(min(340px, 100%), 1fr)); }
+.run { background: #fff; border: 1px solid #d9dee7; border-top: 6px solid; border-radius: 8px;
+  padding: 10px 14px 14px; }
+.run h3 { margin: 2px 0 10px; font-size: 15px; overflow-wrap: anywhere; }
+.run .card { background: #f8f9fb; min-width: 120px; padding: 8px 12px; }
+.run .card .v { font-size: 18px; }
+.swatch { display: inline-block; width: 12px; height: 12px; border-radius: 3px;
+  margin-right: 6px; vertical-align: -1px; }
 """
 
 
@@ -61,24 +73,109 @@ def html_page(page: Page) -> str:
         f"<h1>Run report: {escape(page.name)}</h1>",
         f'<div class="path">{escape(page.path)}</div>',
         _cards(page.facts),
+        *_warnings(page.warnings),
+        "<h2>Curves</h2>",
+        _figures(page.figures),
     ]
-    if page.warnings:
-        items = "".join(f"<li>{escape(w)}</li>" for w in page.warnings)
-        body.append(f'<div class="warn"><ul>{items}</ul></div>')
-    body.append("<h2>Curves</h2>")
-    figures = "".join(
-        f'<figure id="{escape(f.name.removesuffix(".png"))}">{f.svg}</figure>' for f in page.figures
-    )
-    body.append(f'<div class="figs">{figures}</div>')
     body += _samples(page.samples)
     body += ["<h2>Objective</h2>", _objective(page.objective)]
     body += ["<h2>Preflight</h2>", *_preflight(page.preflight)]
     body += ["<h2>Metrics</h2>", _metrics(page.metrics)]
+    return _document(f"grpolab report: {page.name}", body)
+
+
+@dataclass
+class RunCard:
+    label: str  # its directory and its values of the keys the runs differ in
+    colour: str  # its curves' colour
+    facts: list[tuple[str, str]] = field(default_factory=list)  # (what, value) cards
+
+
+@dataclass
+class ComparePage:
+    names: list[str]  # the runs' directories, in colour order
+    path: str  # where the comparison is written
+    runs: list[RunCard] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    differences: list[tuple[str, list[str | None]]] = field(default_factory=list)  # key, values
+    figures: list[Figure] = field(default_factory=list)
+    metrics: list[tuple[str, list[str]]] = field(default_factory=list)  # key, last-20 means
+
+
+def compare_page(page: ComparePage) -> str:
+    """Runs side by side: each one's result in its colour, the config keys they differ in, the
+    curves overlaid and the metrics' last-20-step means."""
+    cards = "".join(
+        f'<section class="run" style="border-top-color: {run.colour}">'
+        f"<h3>{_swatch(run.colour)}{escape(run.label)}</h3>{_cards(run.facts)}</section>"
+        for run in page.runs
+    )
+    body = [
+        f"<h1>Run comparison: {escape(', '.join(page.names))}</h1>",
+        f'<div class="path">{escape(page.path)}</div>',
+        f'<div class="runs">{cards}</div>',
+        *_warnings(page.warnings),
+        "<h2>Config differences</h2>",
+        _differences(page),
+        "<h2>Curves</h2>",
+        '<p class="muted">One colour per run, as above and in the legend under each figure; '
+        "within a panel, one dash per series.</p>",
+        _figures(page.figures),
+        "<h2>Metrics: the mean of the last 20 steps</h2>",
+        _table(["metric", *page.names], page.metrics, page.runs),
+        '<p class="muted">Each run\'s own report (<code>grpolab report RUN_DIR</code>) has its '
+        "sample completions, objective card and preflight table.</p>",
+    ]
+    return _document(f"grpolab report: {', '.join(page.names)}", body)
+
+
+def _document(title: str, body: list[str]) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>grpolab report: {escape(page.name)}</title><style>{CSS}</style></head>"
+        f"<title>{escape(title)}</title><style>{CSS}</style></head>"
         f"<body><main>{''.join(body)}</main></body></html>\n"
     )
+
+
+def _warnings(warnings: list[str]) -> list[str]:
+    if not warnings:
+        return []
+    items = "".join(f"<li>{escape(w)}</li>" for w in warnings)
+    return [f'<div class="warn"><ul>{items}</ul></div>']
+
+
+def _figures(figures: list[Figure]) -> str:
+    drawn = "".join(
+        f'<figure id="{escape(f.name.removesuffix(".png"))}">{f.svg}</figure>' for f in figures
+    )
+    return f'<div class="figs">{drawn}</div>'
+
+
+def _swatch(colour: str) -> str:
+    return f'<span class="swatch" style="background: {colour}"></span>'
+
+
+def _differences(page: ComparePage) -> str:
+    if not page.differences:
+        return '<p class="muted">The runs\' config.yaml files differ in no key but output_dir.</p>'
+    rows = [(key, [v or "n/a" for v in values]) for key, values in page.differences]
+    return _table(["key", *page.names], rows, page.runs)
+
+
+def _table(head: list[str], rows: list[tuple[str, list[str]]], runs: list[RunCard]) -> str:
+    """A table with a column per run, headed by the run's colour and directory."""
+    cells = [f"<th>{escape(head[0])}</th>"]
+    cells += [
+        f"<th>{_swatch(run.colour)}{escape(name)}</th>"
+        for run, name in zip(runs, head[1:], strict=True)
+    ]
+    body = "".join(
+        f"<tr><td><code>{escape(key)}</code></td>"
+        + "".join(f'<td class="num">{escape(v)}</td>' for v in values)
+        + "</tr>"
+        for key, values in rows
+    )
+    return f'<table class="narrow"><tr>{"".join(cells)}</tr>{body}</table>'
 
 
 def _cards(facts: list[tuple[str, str]]) -> str:
