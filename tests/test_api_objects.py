@@ -79,8 +79,8 @@ def test_a_model_object_is_saved_with_its_tokenizer_and_trained(tmp_path, loaded
     out = tmp_path / "run"
     # 8 prompts x 8 samples: some group's rewards vary, so the step changes the weights
     args = fast(out, per_device_train_batch_size=64, num_generations=8, learning_rate=1e-3)
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=exact,
-                          args=args, train_dataset=rows(40))  # fmt: skip
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=exact, args=args,
+                          train_dataset=rows(40), eval_dataset=rows(8, start=70))  # fmt: skip
     source = Path(trainer.config.model.name_or_path)
     assert source.parent == Path(trainer._scratch.name)
     assert_same_weights(saved_weights(source), model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -305,8 +306,36 @@ def test_raising_function_counted_fallback_and_logged_once(caplog):
     assert out.metrics["reward_errors/raises_on_second"] == 2.0
     assert again.errors["raises_on_second"] == 2
     logged = [r for r in caplog.records if "raises_on_second" in r.getMessage()]
-    assert len(logged) == 1  # the first traceback only
-    assert logged[0].exc_info and "kaput in user code" in str(logged[0].exc_info[1])
+    assert len(logged) == 1  # the first failure only
+    message = logged[0].getMessage()
+    # one line at the user's own code: its file, line and source, no trainer frame
+    assert logged[0].exc_info is None and "\n" not in message
+    assert "RuntimeError: kaput in user code" in message
+    lines, first = inspect.getsourcelines(raises_on_second)
+    raised = first + next(i for i, line in enumerate(lines) if "raise RuntimeError" in line)
+    assert f'test_rewards.py:{raised} in raises_on_second: raise RuntimeError("kaput' in message
+
+
+def returns_nothing(completions, **kwargs):
+    [1.0 for _ in completions]
+
+
+def returns_a_scalar(completions, **kwargs):
+    return 0.5
+
+
+@pytest.mark.parametrize(
+    "fn, got",
+    [(returns_nothing, "got None (no return statement?)"), (returns_a_scalar, "got float 0.5")],
+)
+def test_a_reward_that_returns_no_list_says_what_it_must_return(fn, got, caplog):
+    with caplog.at_level(logging.WARNING, logger="grpolab.rewards"):
+        out = score(["a", "b"], [ex("1")], [fn], num_generations=2)
+    assert out.errors[fn.__name__] == 2
+    (logged,) = [r for r in caplog.records if fn.__name__ in r.getMessage()]
+    message = logged.getMessage()
+    assert "must return a list of 2 floats (or None for rows it cannot score)" in message
+    assert got in message and f"(test_rewards.py:{fn.__code__.co_firstlineno})" in message
 
 
 def test_non_finite_and_wrong_length_counted():

@@ -8,11 +8,11 @@ import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-# name -> (the CLI's flag, the Python API's argument)
+# name -> (the CLI's flag, the Python API's argument); {} is a value when one is given.
 WAYS = {
     "skip_preflight": ("--skip-preflight", "train(skip_preflight=True)"),
     "resume": ("--resume", "train(resume=True)"),
-    "resume_path": ("--resume PATH", "train(resume=PATH)"),
+    "resume_path": ("--resume {}", "train(resume={!r})"),
     "overwrite": ("--overwrite", "train(overwrite=True)"),
     "allow_config_change": ("--allow-config-change", "train(allow_config_change=True)"),
     "recheck": ("--recheck", "train(recheck=True)"),
@@ -22,9 +22,10 @@ WAYS = {
 _in_python = contextvars.ContextVar("grpolab_in_python", default=False)
 
 
-def way(name: str) -> str:
-    """How the caller asks for `name` (a key of WAYS)."""
-    return WAYS[name][int(_in_python.get())]
+def way(name: str, value: object = "PATH") -> str:
+    """How the caller asks for `name` (a key of WAYS), with `value` where it takes one."""
+    template = WAYS[name][int(_in_python.get())]
+    return template.format(str(value) if "{}" in template else value)
 
 
 @contextmanager

@@ -31,7 +31,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from grpolab.train.preflight import PreflightFailed
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, with_strict(args))
         functions = chosen_functions(cfg, args.impl)
         train(
             cfg,
@@ -58,6 +58,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def with_strict(args: argparse.Namespace) -> list[str]:
+    """The overrides, with strict=true under --strict (keys without effect refused)."""
+    return [*args.overrides, "strict=true"] if getattr(args, "strict", False) else args.overrides
+
+
 def chosen_functions(cfg, impl_path: str | None):
     """The core functions the run uses: the trainer's as configured, with those a user's
     file (--impl) defines in their place."""
@@ -76,14 +81,14 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from grpolab.commands.jsonout import print_json
-    from grpolab.config import ConfigError, load_config, load_notes
+    from grpolab.config import ConfigError, load_config, load_notes, load_warnings
     from grpolab.train.preflight import preflight, print_results, results_json
 
     console = Console(stderr=args.json)  # with --json, stdout holds the JSON alone
     if not console.is_terminal:
         console.width = 160  # a log file or a pipe: no reason to wrap at 80
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, with_strict(args))
         functions = chosen_functions(cfg, args.impl)
         episode_functions = None
         if args.impl:  # a file may also define episode functions (rollout.tools runs)
@@ -92,12 +97,14 @@ def cmd_preflight(args: argparse.Namespace) -> int:
             episode_functions = load_episode_impl(args.impl)
         for note in load_notes(cfg):
             console.print(f"note: {escape(note)}")
+        for warning in load_warnings(cfg):
+            console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
         results = preflight(cfg, functions, episode_functions, console)
     except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
         print(f"grpolab preflight: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     if args.json:
-        print_json(results_json(results, functions))
+        print_json(results_json(results, functions, load_warnings(cfg)))
     else:
         print_results(results, console, functions)
     return 0 if all(r.passed for r in results) else 1
@@ -234,6 +241,11 @@ def add_train_parser(sub) -> None:
         help="start without the preflight checks (a warning goes to the log and run directory)",
     )
     train.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse a key that has no effect under the rest of the config (default: a warning)",
+    )
+    train.add_argument(
         "--impl",
         metavar="FILE",
         help="a Python file defining any of the core functions to train with instead",
@@ -269,6 +281,9 @@ def add_preflight_parser(sub) -> None:
         "--impl", help="a Python file defining any of the core functions to check instead"
     )
     pre.add_argument("--json", action="store_true", help="print the results as JSON")
+    pre.add_argument(
+        "--strict", action="store_true", help="refuse a key that has no effect (default: a warning)"
+    )
     pre.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     pre.set_defaults(func=cmd_preflight)
 

@@ -21,6 +21,7 @@ from grpolab.config.load import (
     flatten,
     load_config,
     load_notes,
+    load_warnings,
     replaced,
 )
 from grpolab.config.resume import (
@@ -81,6 +82,7 @@ __all__ = [
     "get",
     "load_config",
     "load_notes",
+    "load_warnings",
     "objective_of",
     "replaced",
     "resume_free_keys",

@@ -17,6 +17,7 @@ from grpolab.objective import PROFILE_YIELDS, PROFILES, UNITS
 from grpolab.rewards import BUILTIN_REWARDS
 from grpolab.rollout.vllm import VLLMEngineConfig
 from grpolab.schema import Inert
+from grpolab.ways import way
 
 
 def _local_file(path: str | None) -> bool:
@@ -131,12 +132,14 @@ def baseline(cfg: Config, key: str) -> Any:
     return get(DEFAULTS, key)
 
 
-def yield_or_refuse_inert(cfg: Config, given: dict[str, int]) -> tuple[Config, list[str]]:
-    """Each given key that `INERT` says has no effect: refused (ConfigError) when it was given
-    in the same layer as what makes it inert or later; when a later layer made it inert (a
-    file's key, an override's choice), set back to its baseline (which changes nothing, by
-    definition) and noted. Values equal to the baseline are never refused."""
-    notes, values = [], {}
+def yield_or_refuse_inert(
+    cfg: Config, given: dict[str, int]
+) -> tuple[Config, list[str], list[str]]:
+    """Each given key that `INERT` says has no effect is set back to its baseline (which
+    changes nothing, by definition): with a note when a later layer made it inert (a file's
+    key under an override's choice), else with a warning, or refused (ConfigError) under
+    `strict`. Values equal to the baseline are never flagged. Returns (cfg, notes, warnings)."""
+    notes, warnings, values = [], [], {}
     for rule in INERT:
         if not rule.when(cfg):
             continue
@@ -146,8 +149,11 @@ def yield_or_refuse_inert(cfg: Config, given: dict[str, int]) -> tuple[Config, l
                 continue
             why = "has no effect " + rule.why.format(c=cfg)
             later = [c for c in rule.causes if given.get(c, -1) > given[key]]
-            if not later:
-                raise ConfigError(f"{key}={value!r} {why}; remove it")
+            if not later and cfg.strict:
+                raise ConfigError(f"{key}={value!r} {why}; remove it (strict refuses it)")
             values[key] = baseline(cfg, key)
-            notes.append(f"{key}={value!r} not applied: it {why} ({later[0]} given after it)")
-    return with_values(cfg, values), notes
+            if later:
+                notes.append(f"{key}={value!r} not applied: it {why} ({later[0]} given after it)")
+            else:
+                warnings.append(f"{key}={value!r} {why}: ignored ({way('strict')} refuses it)")
+    return with_values(cfg, values), notes, warnings

@@ -63,21 +63,22 @@ def load_config(
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_describe(e, schema)) from None
-    cfg, more = normalise(cfg, _given_keys(layers))
-    return with_notes(cfg, notes + more)
+    cfg, more, warnings = normalise(cfg, _given_keys(layers))
+    return with_notes(cfg, notes + more, warnings)
 
 
-def normalise(cfg: Config, given: dict[str, int]) -> tuple[Config, list[str]]:
-    """The profile applied, the batch keys reconciled, the keys without effect refused or
-    yielded (their notes), then every key checked: once, at load."""
+def normalise(cfg: Config, given: dict[str, int]) -> tuple[Config, list[str], list[str]]:
+    """The profile applied, the batch keys reconciled, the keys without effect ignored with a
+    warning, yielded with a note or (strict) refused, then every key checked: once, at load.
+    Returns (cfg, notes, warnings)."""
     cfg, notes = apply_profile(cfg, given)
     cfg, batch = reconcile_batch(cfg, given)
     if cfg.task.num_eval is None and cfg.task.name in GENERATED_TASKS:  # recorded as used
         cfg = with_values(cfg, {"task.num_eval": GENERATED_NUM_EVAL})
     check(cfg, objective=False)  # each key; the objective's rules after the inert ones yield
-    cfg, inert = yield_or_refuse_inert(cfg, given)
+    cfg, inert, warnings = yield_or_refuse_inert(cfg, given)
     check(cfg)
-    return cfg, notes + batch + inert
+    return cfg, notes + batch + inert, warnings
 
 
 def check_overrides(overrides: list[str]) -> None:
@@ -95,11 +96,20 @@ def check_overrides(overrides: list[str]) -> None:
 # --- What loading noted --------------------------------------------------------------------------
 
 NOTES = "_load_notes"  # what loading set aside, kept on the instance (not a config key)
+WARNINGS = "_load_warnings"  # what loading ignored: keys given that have no effect
 
 
-def with_notes(cfg: Config, notes: list[str]) -> Config:
+def with_notes(cfg: Config, notes: list[str], warnings: list[str] | None = None) -> Config:
     object.__setattr__(cfg, NOTES, tuple(notes))
+    object.__setattr__(cfg, WARNINGS, tuple(warnings or ()))
     return cfg
+
+
+def load_warnings(cfg: Config) -> list[str]:
+    """The keys the user gave that have no effect under the rest of the config (ignored; a
+    strict config refuses them), one line each: printed at start, on the objective card and
+    in preflight.json."""
+    return list(getattr(cfg, WARNINGS, ()))
 
 
 def load_notes(cfg: Config) -> list[str]:
@@ -110,8 +120,8 @@ def load_notes(cfg: Config) -> list[str]:
 
 
 def replaced(cfg: Config, values: dict[str, Any]) -> Config:
-    """`with_values`, the notes kept."""
-    return with_notes(with_values(cfg, values), load_notes(cfg))
+    """`with_values`, the notes and warnings kept."""
+    return with_notes(with_values(cfg, values), load_notes(cfg), load_warnings(cfg))
 
 
 # --- The older names -----------------------------------------------------------------------------
@@ -296,7 +306,12 @@ def _file_layer(path: Path) -> dict[str, Any]:
     for section in sections:
         if not isinstance(tree.get(section, {}), dict):
             raise ConfigError(f"{section} must be a mapping of keys, got {tree[section]!r}")
-    return _renamed(flatten(tree), f"config file {str(path)!r}")
+    layer = _renamed(flatten(tree), f"config file {str(path)!r}")
+    for key, value in layer.items():  # a YAML scalar where a list goes: say how to write it
+        scalar = value is not None and not isinstance(value, list | dict)
+        if key != "__renamed__" and scalar and _accepts(_field_type(key), list):
+            raise ConfigError(f"config file {str(path)!r}: {key} is a list: write [{value}]")
+    return layer
 
 
 def _overrides_layer(items: list[str], schema: DictConfig) -> dict[str, Any]:

@@ -56,6 +56,9 @@ class Config:
     )
     max_steps: int = key(400, **at_least(0))
     seed: int = 0
+    # A key that has no effect under the rest of the config (config.INERT) is a warning and is
+    # ignored; strict refuses it instead (`--strict`).
+    strict: bool = key(False, resume_free=True)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)

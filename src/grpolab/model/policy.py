@@ -10,6 +10,7 @@ reader and kept as a plain Hugging Face directory in a cache (`resolve_model_sou
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import importlib.util
 import json
@@ -238,6 +239,42 @@ def resolve_model_source(
         return name
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     return str(convert_gguf(gguf, cache))
+
+
+HUB_PROBE_SECONDS = 5.0  # how long a hub id not in the local cache may wait for the hub
+
+
+def check_hub_model(name: str, known: list[str]) -> None:
+    """A name that is no local path, GGUF file or packaged model is a hub id: fine when its
+    config is in the local Hugging Face cache or the hub answers for it within
+    HUB_PROBE_SECONDS; else ModelUnavailable in seconds (not a minute of retries), with the
+    closest of `known` (the packaged names, local directories) as a did-you-mean."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except ValueError:  # not even a valid repo id
+        pass
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    where = f"model.name_or_path={name!r} is not a packaged model, a local directory or a file"
+    if constants.HF_HUB_OFFLINE:
+        raise ModelUnavailable(f"{where}, and as a hub id it is not in the local cache "
+                               f"(HF_HUB_OFFLINE is set){hint}")  # fmt: skip
+    try:
+        model_info(name, timeout=HUB_PROBE_SECONDS)
+    except RepositoryNotFoundError:
+        raise ModelUnavailable(f"{where}, and the hub has no model {name!r}{hint}") from None
+    except HfHubHTTPError:  # gated, private, rate-limited: from_pretrained says what it finds
+        return
+    except Exception as e:  # no network, a timeout, an invalid id
+        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise ModelUnavailable(
+            f"{where}, and as a hub id it is not in the local cache and the hub cannot be "
+            f"reached ({reason}){hint}"
+        ) from None
 
 
 def packaged_gguf(name: str) -> Path:

@@ -110,9 +110,32 @@ def _reference_field(cfg: TaskConfig, rows, default: str) -> str | None:
 BAD_ROWS_SHOWN = 10  # a file with many bad rows: this many are named, then a count
 
 
+# Columns that often hold a task's prompts or answers under another name: a file without
+# the configured one is pointed at the key that names it and the column it likely means.
+PROMPT_COLUMNS = ("prompt", "question", "problem", "input", "instruction", "query", "text")
+ANSWER_COLUMNS = ("answer", "solution", "output", "target", "label", "response", "completion")
+
+
+def _check_columns(cfg, rows, prompt_field: str, answer_field: str | None) -> None:
+    """A column no row has is one mistake, said once: which key names it, and the column of
+    the file that probably holds it."""
+    present = {name for _, row in rows for name in row}
+    for field, key, likely in ((prompt_field, "task.prompt_field", PROMPT_COLUMNS),
+                               (answer_field, "task.answer_field", ANSWER_COLUMNS)):  # fmt: skip
+        if field is None or field in present or not rows:
+            continue
+        guess = next((c for c in likely if c in present), None)
+        fix = f"{key}={guess}" if guess else f"{key}=<the column that holds them>"
+        raise ValueError(
+            f"{cfg.path}: no row has a field {field!r} (its fields: "
+            f"{', '.join(sorted(map(str, present)))}); name the column with {fix}"
+        )
+
+
 def _examples(cfg, rows, prompt_field: str, answer_field: str, template: str) -> list[Example]:
     """Every row's Example; the bad rows are all reported together (the first BAD_ROWS_SHOWN
     named), so a file is fixed in one pass, not one error per run."""
+    _check_columns(cfg, rows, prompt_field, answer_field)
     examples, bad = [], []
     for where, row in rows:
         try:
@@ -124,9 +147,9 @@ def _examples(cfg, rows, prompt_field: str, answer_field: str, template: str) ->
     if bad:
         more = len(bad) - BAD_ROWS_SHOWN
         raise ValueError(
-            f"{len(bad)} of {len(rows)} rows are bad:\n  "
-            + "\n  ".join(bad[:BAD_ROWS_SHOWN])
-            + (f"\n  ... and {more} more" if more > 0 else "")
+            f"{len(bad)} of {len(rows)} rows are bad: "
+            + "; ".join(bad[:BAD_ROWS_SHOWN])
+            + (f"; ... and {more} more" if more > 0 else "")
         )
     return examples
 
@@ -202,7 +225,7 @@ def _read_rows(path: str, subset: str | None, split: str) -> list[tuple[str, dic
         if suffix == ".jsonl" or (suffix == ".json" and _is_json_lines(file)):
             return _read_jsonl(file)
         if suffix == ".json":
-            data = json.loads(file.read_text())
+            data = json.loads(file.read_text(encoding="utf-8-sig"))
             if not isinstance(data, list):
                 raise ValueError(f"{path}: expected a list of objects or JSON lines")
             return [
@@ -210,7 +233,7 @@ def _read_rows(path: str, subset: str | None, split: str) -> list[tuple[str, dic
                 for i, r in enumerate(data)
             ]
         if suffix == ".csv":
-            with file.open(encoding="utf-8", newline="") as f:
+            with file.open(encoding="utf-8-sig", newline="") as f:
                 # row 1 is the header: data row i is the file's line i + 1
                 return [(f"{path} line {i + 2}", dict(r)) for i, r in enumerate(csv.DictReader(f))]
         if suffix == ".parquet":
@@ -223,7 +246,7 @@ def _read_rows(path: str, subset: str | None, split: str) -> list[tuple[str, dic
 
 def _read_jsonl(file: Path) -> list[tuple[str, dict[str, Any]]]:
     rows = []
-    with file.open(encoding="utf-8") as f:
+    with file.open(encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -237,7 +260,7 @@ def _read_jsonl(file: Path) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _is_json_lines(file: Path) -> bool:
-    with file.open(encoding="utf-8") as f:
+    with file.open(encoding="utf-8-sig") as f:
         head = f.read(1).strip() or f.read(64).lstrip()[:1]
     return head == "{"
 

@@ -214,7 +214,9 @@ def resume_point(
         if why is None:
             return path, []
         older = [p for p in list_checkpoints(path.parent) if p != path and damage(p) is None]
-        offer = f"; the newest intact one is {older[-1]}: resume from it" if older else ""
+        offer = ""
+        if older:
+            offer = f"; the newest intact one is {older[-1]}: {way('resume_path', older[-1])}"
         raise DamagedCheckpoint(f"checkpoint {str(path)!r} is damaged: {why}{offer}")
     damaged = []
     for path in reversed(list_checkpoints(output_dir)):
@@ -255,7 +257,7 @@ def load_checkpoint(path: str | Path, dtype: str = "float32", device: str = "cpu
     except Exception as e:  # whatever a damaged file raises (safetensors, pickle, JSON, OS)
         raise DamagedCheckpoint(
             f"checkpoint {str(path)!r} cannot be read ({type(e).__name__}: {e}); resume from "
-            f"an earlier one with {way('resume_path')}"
+            f"an earlier one with {way('resume_path', 'PATH')}"
         ) from None
     return model, tokenizer, extra, state
 

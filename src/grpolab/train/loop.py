@@ -30,6 +30,7 @@ from grpolab.config import (
     Config,
     differences_from_defaults,
     load_notes,
+    load_warnings,
     replaced,
     to_dict,
     to_yaml,
@@ -270,6 +271,9 @@ def gate(session: Session, skip_preflight: bool, stage: Stage | None = None) -> 
         )
     card += f"\n  precision     {run.precision.name} ({run.precision.reason})"
     card += "".join(f"\n  note: {note}" for note in load_notes(cfg))
+    card += "".join(f"\n  warning: {warning}" for warning in load_warnings(cfg))
+    for warning in load_warnings(cfg):  # keys given that change nothing: said, not fatal
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
     session.staged |= {"config.yaml": to_yaml(cfg), "objective.txt": card + "\n"}
     console.print(config_summary(cfg, session.run_dir))
     console.print(escape(card))

@@ -31,7 +31,7 @@ from grpolab.checks.context import Context, PreflightBatch, PreflightSettings
 from grpolab.checks.episodes import Episodes, probe_episodes
 from grpolab.checks.registry import ALL
 from grpolab.checks.runner import blamed, run_check
-from grpolab.config import Config, objective_of
+from grpolab.config import Config, load_warnings, objective_of
 from grpolab.core import CoreFunctions, Objective
 from grpolab.model.policy import eval_mode
 from grpolab.rewards import score
@@ -200,12 +200,17 @@ def print_results(results: list[CheckResult], console: Console, impl: CoreFuncti
     console.print(f"{verdict} ({len(results)} checks)")
 
 
-def results_json(results: list[CheckResult], impl: CoreFunctions) -> str:
+def results_json(
+    results: list[CheckResult], impl: CoreFunctions, config_warnings: list[str] | None = None
+) -> str:
+    """preflight.json: the verdict, whose functions were checked, each check's result, and
+    the keys given that have no effect under the rest of the config."""
     return json.dumps(
         {
             "passed": all(r.passed for r in results),
             "impl": impl.path,
             "replaced": [f for f, src in impl.source.items() if src != "grpolab"],
+            "config_warnings": config_warnings or [],
             "checks": [r.to_json() for r in results],
         },
         indent=2,
@@ -237,7 +242,7 @@ def preflight_gate(run: Run, console: Console, skip: bool = False) -> str:
     device = next(run.model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         results = run_preflight(run, progress)
-    record = results_json(results, run.functions) + "\n"
+    record = results_json(results, run.functions, load_warnings(run.cfg)) + "\n"
     failed = blamed(results)  # the likely cause first
     if failed:
         print_results(results, console, run.functions)

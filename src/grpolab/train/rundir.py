@@ -92,8 +92,9 @@ def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
     where = f"output_dir={str(output_dir)!r}"
     if resume and overwrite:
         raise OutputDirError(
-            f"{way('resume')} and {way('overwrite')} contradict each other: the first continues "
-            f"the run in {where}, the second deletes it and starts over; pass one of them"
+            f"{way('resume')} and {way('overwrite')} contradict each other: {way('resume')} "
+            f"continues the run in {where}, {way('overwrite')} deletes it and starts over; pass "
+            "one of them"
         )
     if output_dir.exists() and not output_dir.is_dir():
         raise OutputDirError(f"{where} is a file, not a directory")

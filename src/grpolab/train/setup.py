@@ -23,7 +23,12 @@ from grpolab.functions import as_called, core_functions
 from grpolab.model import dist as dist_module
 from grpolab.model.dist import Dist
 from grpolab.model.lora import wrap_lora
-from grpolab.model.policy import load_policy, resolve_model_source
+from grpolab.model.policy import (
+    PACKAGED_MODELS,
+    check_hub_model,
+    load_policy,
+    resolve_model_source,
+)
 from grpolab.model.precision import FP32, Precision, forget_casts_on_step, resolve_precision
 from grpolab.rewards import Rewards, load_rewards
 from grpolab.rollout import RolloutEngine, build_engine
@@ -148,7 +153,17 @@ def model_source(cfg: Config) -> str:
         source.startswith((".", "/", "~")) or source.count("/") > 1  # a hub id is "org/name"
     ):
         raise FileNotFoundError(f"model.name_or_path={source!r} does not exist")
-    return resolve_model_source(source, m.gguf_file, m.cache_dir)
+    resolved = resolve_model_source(source, m.gguf_file, m.cache_dir)
+    if resolved == source and not Path(source).expanduser().exists():
+        check_hub_model(source, known_model_names())
+    return resolved
+
+
+def known_model_names() -> list[str]:
+    """What a misspelt model name is compared with: the names grpolab ships or knows from a
+    package, and the directories here."""
+    local = [p.name for p in Path.cwd().iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return ["demo", *SHIPPED_MODELS, *PACKAGED_MODELS, *local]
 
 
 def load_start_model(cfg: Config, device: torch.device, source: str | None = None):
