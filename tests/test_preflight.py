@@ -104,40 +104,50 @@ def test_a_trl_users_advantages_pass_under_the_trl_profile_and_fail_under_the_se
     assert "advantages.population_std" in failed
 
 
-def test_reward_variance_is_judged_on_a_training_steps_worth_of_groups():
+def test_reward_variance_is_judged_on_enough_groups_and_says_why_when_none_varies():
     """A sparse reward can leave the preflight's few groups flat while a step's groups teach:
-    then a step's prompts_per_step groups are sampled and the check judges those; a reward
-    that never varies still fails there."""
+    then more groups are sampled (a step's prompts_per_step, at least FLAT_EVIDENCE_GROUPS)
+    and the check judges those; a reward that never varies still fails there, and the hint
+    names the batch that would see a right answer, or the function that scored nothing."""
     import dataclasses
 
     import torch
 
     from grpolab.checks.context import Context
     from grpolab.checks.registry import BY_ID
+    from grpolab.checks.rewards import FLAT_EVIDENCE_GROUPS
     from grpolab.checks.runner import run_check
     from grpolab.config import load_config
+    from grpolab.rewards import load_rewards
     from grpolab.train.preflight import sample_batch, settings_from_config
     from grpolab.train.setup import build_run, load_start_model
 
-    cfg = load_config(None, ["batch.prompts_per_step=8", "batch.num_generations=8"])
+    cfg = load_config(None, ["batch.prompts_per_step=4", "batch.num_generations=8"])
     model, tokenizer = load_start_model(cfg, torch.device("cpu"))
     run = build_run(cfg, model, tokenizer)
     batch, _ = sample_batch(run)  # 4 groups of 8
     flat = dataclasses.replace(batch, rewards=torch.zeros_like(batch.rewards))
 
-    def reward_variance_over_a_step(run, batch):  # as the preflight runs it, with the run
+    def reward_variance(run, batch):  # as the preflight runs it, with the run
         ctx = Context(run.functions, settings_from_config(run.cfg), run.model, batch, run)
         return run_check(BY_ID["rewards.variance"], ctx)
 
-    over_a_step = reward_variance_over_a_step(run, flat)
-    # 8 groups judged: the preflight's 4 (made flat here) and 4 new ones of the demo model,
+    judged = reward_variance(run, flat)
+    # 16 groups judged: the preflight's 4 (made flat here) and 12 new ones of the demo model,
     # which answers about a third right, so some of those vary.
-    assert over_a_step.id == "rewards.variance" and over_a_step.passed
-    assert over_a_step.measured in {k / 8 for k in range(4, 8)}
+    n = FLAT_EVIDENCE_GROUPS
+    assert judged.id == "rewards.variance" and judged.passed
+    assert judged.measured in {k / n for k in range(4, n)} and f"over {n} groups" in judged.what
+    assert "batch.prompts_per_step=4 has no varying group with probability" in judged.what
     never = dataclasses.replace(run, rewards=[lambda completions, **_: [0.0] * len(completions)])
-    assert not reward_variance_over_a_step(never, flat).passed
-    # A preflight batch that already holds a step's groups is judged as it is.
-    # The preflight's groups already are a step's worth: judged on them alone.
-    one_step = load_config(None, ["batch.prompts_per_step=4", "batch.num_generations=8"])
-    alone = reward_variance_over_a_step(dataclasses.replace(run, cfg=one_step), flat)
-    assert not alone.passed and alone.measured == 1.0
+    flat_out = reward_variance(never, flat)
+    assert not flat_out.passed and flat_out.measured == 1.0
+    assert "rarer than 1 in 43 samples" in flat_out.hint  # 3 / (16 x 8), the rule of three
+    assert "batch.prompts_per_step >= 16" in flat_out.hint and "dynamic_sampling" in flat_out.hint
+
+    def scores_nothing(completions, **_):
+        return [None] * len(completions)
+
+    unscored = dataclasses.replace(run, rewards=load_rewards([scores_nothing]))
+    named = reward_variance(unscored, dataclasses.replace(flat, unscored=("scores_nothing",)))
+    assert not named.passed and "'scores_nothing' returned None for every sample" in named.hint

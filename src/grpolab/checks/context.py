@@ -33,6 +33,9 @@ class PreflightBatch:
     rewards: torch.Tensor  # [B]
     group_size: int
     engine_logprobs: torch.Tensor | None = None  # [B, T-1], aligned like sequence_logprobs
+    # The reward functions that returned None for every row of the batch (the preflight's
+    # scoring says; a designed batch has none).
+    unscored: tuple[str, ...] = ()
 
     def rows(self, rows) -> PreflightBatch:
         """The rows `rows` (a slice or indices), every field cut alike."""
@@ -44,6 +47,7 @@ class PreflightBatch:
             self.rewards[rows],
             self.group_size,
             engine,
+            self.unscored,
         )
 
 

@@ -6,6 +6,7 @@ wrong one, the prompt echoed or restated, no answer)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -35,30 +36,79 @@ def flat_share(rewards: torch.Tensor, G: int) -> float:
     return (r.std(dim=1, unbiased=False) <= 1e-4).double().mean().item()
 
 
+# Before calling a reward flat, the preflight looks at this many groups at least (a step's
+# when it has more): with none of them varying, right answers are rarer than 3 in
+# FLAT_EVIDENCE_GROUPS x G samples (the rule of three's 95 % bound).
+FLAT_EVIDENCE_GROUPS = 16
+FLAT_STEP_RISK = 0.05  # the batch advised leaves a step without a varying group this rarely
+
+
 def variance(ctx):
-    """On the checked batch; in the preflight, when its few groups are all flat, on a
-    training step's worth of groups: a sparse reward (a base model right 3% of the time)
-    often leaves the preflight's groups flat while a step's prompts_per_step still teach, so
-    the check fails only when a whole step would have no group that varies."""
+    """On the checked batch; in the preflight, when its groups are all flat, on more groups (a
+    step's prompts_per_step, at least FLAT_EVIDENCE_GROUPS): a sparse reward (a model right a
+    few % of the time) often leaves a few groups flat while a step's groups still teach, so
+    the check fails only when no group of those varies, and then says why: a reward that
+    scored no sample, or right answers too rare for the batch (the batch that would do)."""
     rewards, G = ctx.batch.rewards, ctx.batch.group_size
     zero = flat_share(rewards, G)
-    if zero == 1 and ctx.run is not None:
-        have = rewards.numel() // G
-        more = ctx.run.cfg.batch.prompts_per_step - have
-        if more > 0:
-            ctx.say("rewards.variance on a whole step's prompts (the sampled groups were all flat)")
-            zero = flat_share(torch.cat([rewards, step_rewards(ctx.run, have, more)]), G)
-    return ctx.result(
-        "frac_reward_zero_std (groups that teach nothing)",
-        zero,
-        "< 1 (some group varies)",
-        zero < 1,
+    what = "frac_reward_zero_std (groups that teach nothing)"
+    if ctx.run is None:
+        return ctx.result(what, zero, "< 1 (some group varies)", zero < 1)
+    have = rewards.numel() // G
+    unscored = list(ctx.batch.unscored)
+    if zero == 1:
+        want = min(max(ctx.run.cfg.batch.prompts_per_step, FLAT_EVIDENCE_GROUPS),
+                   len(ctx.run.task.train))  # fmt: skip
+        if want > have:
+            ctx.say(f"rewards.variance on {want} groups (the {have} sampled were all flat)")
+            more, also = step_scores(ctx.run, have, want - have)
+            unscored = [name for name in unscored if name in also]
+            rewards = torch.cat([rewards, more])
+            zero = flat_share(rewards, G)
+    groups, step = rewards.numel() // G, ctx.run.cfg.batch.prompts_per_step
+    what += f" over {groups} groups of {G}; " + step_risk(zero, groups, G, step)
+    result = ctx.result(what, zero, "< 1 (some group varies)", zero < 1)
+    if zero < 1:
+        return result
+    return dataclasses.replace(result, hint=flat_hint(unscored, groups, G, step))
+
+
+def step_risk(flat: float, groups: int, G: int, step: int) -> str:
+    """What the observed share of flat groups means for a training step of `step` groups."""
+    if flat == 1:
+        return "no group varies"
+    return (
+        f"at this rate a step of batch.prompts_per_step={step} has no varying group with "
+        f"probability {flat**step:.2g}"
     )
 
 
-def step_rewards(run, have: int, more: int) -> torch.Tensor:
-    """Rewards of `more` groups beyond the preflight's `have` (the preflight's own prompt
-    draw, continued; its own sampling seed): [more * G]."""
+def flat_hint(unscored: list[str], groups: int, G: int, step: int) -> str:
+    """Why no group varies, and the way out: a function that scored no sample, else right
+    answers rarer than the rule of three's bound and the batch that would see them."""
+    if unscored:
+        names = ", ".join(repr(n) for n in unscored)
+        return (
+            f"reward {names} returned None for every sample: it scores no row of this task "
+            "(check the columns it reads and when it returns None), so every total is flat"
+        )
+    p = min(3 / (groups * G), 0.5)  # right answers are rarer than this (95 %)
+    flat_group = p**G + (1 - p) ** G
+    need = math.ceil(math.log(FLAT_STEP_RISK) / math.log(flat_group))
+    return (
+        f"no group of {groups} x {G} samples has reward variance, so every advantage is 0: "
+        f"the reward is constant here, or right answers are rarer than 1 in {1 / p:.0f} "
+        f"samples. At that rate a step needs batch.prompts_per_step >= {need} (or "
+        "objective.dynamic_sampling=true, which samples more prompts until groups vary) to "
+        f"hold a varying group {1 - FLAT_STEP_RISK:.0%} of the time; if none is ever right, "
+        "make the task easier, the reward denser, or use a stronger model"
+    )
+
+
+def step_scores(run, have: int, more: int) -> tuple[torch.Tensor, list[str]]:
+    """Total rewards of `more` groups beyond the preflight's `have` (the preflight's own
+    prompt draw, continued; its own sampling seed), [more * G], and the reward functions that
+    returned None for every one of them."""
     cfg = run.cfg
     draw = seeds.preflight_prompts(cfg.seed)
     run.task.sample(have, draw)  # the preflight's own prompts, then new ones
@@ -66,7 +116,14 @@ def step_rewards(run, have: int, more: int) -> torch.Tensor:
     params = cfg.rollout.sampling(seed=seeds.preflight_sampling_seed(cfg.seed) + 1)
     G = cfg.batch.num_generations
     rollout = run.engine.generate([e.prompt for e in examples], G, params)
-    return score(rollout, examples, run.rewards).total.float()
+    scores = score(rollout, examples, run.rewards)
+    return scores.total.float(), unscored_functions(scores)
+
+
+def unscored_functions(scores) -> tuple[str, ...]:
+    """The reward functions that returned None for every sample of a scored batch."""
+    return tuple(name for name, values in scores.per_function.items()
+                 if values.numel() and bool(values.isnan().all()))  # fmt: skip
 
 
 def _report(ctx) -> ProbeReport:
@@ -156,8 +213,9 @@ COVERAGE = Check(
 VARIANCE = Check(
     "rewards.variance",
     0,
-    "no group has reward variance: every advantage is 0 and nothing is learned; make the task "
-    "easier/harder or the reward denser",
+    "no group has reward variance: every advantage is 0 and nothing is learned; a larger "
+    "batch.prompts_per_step (or objective.dynamic_sampling) when right answers are rare, an "
+    "easier task or a denser reward when there are none",
     variance,
 )
 PROBES = (

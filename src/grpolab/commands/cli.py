@@ -40,6 +40,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             functions=functions,
             skip_preflight=args.skip_preflight,
             allow_config_change=args.allow_config_change,
+            recheck=args.recheck,
         )
     except (PreflightFailed, RewardsFailing) as e:
         _fail(str(e))
@@ -239,6 +240,12 @@ def add_train_parser(sub) -> None:
         "--skip-preflight",
         action="store_true",
         help="start without the preflight checks (a warning goes to the log and run directory)",
+    )
+    train.add_argument(
+        "--recheck",
+        action="store_true",
+        help="run the preflight even when a pass of the same model, functions, task and "
+        "config is remembered",
     )
     train.add_argument(
         "--strict",

@@ -130,20 +130,22 @@ def train(
     console: Console | None = None,
     skip_preflight: bool = False,
     allow_config_change: bool = False,
+    recheck: bool = False,
 ) -> dict[str, Any]:
     """Run GRPO as configured; returns the summary (also written to summary.json).
 
     The preflight checks run first, on this model and a real batch, and training refuses to
-    start if one fails (PreflightFailed) unless `skip_preflight`. A resume whose config
-    changes what is trained is refused unless `allow_config_change`. `functions`: the core
-    functions to train with (a user's, `--impl`); default grpolab's, as configured. Nothing
-    is written into the run directory before the first step (`commit`): a start that fails
-    or is interrupted (Interrupted) leaves it as it was."""
+    start if one fails (PreflightFailed) unless `skip_preflight`; a pass of the same
+    fingerprint (an earlier `train` or `grpolab preflight`) is reused unless `recheck`. A
+    resume whose config changes what is trained is refused unless `allow_config_change`.
+    `functions`: the core functions to train with (a user's, `--impl`); default grpolab's,
+    as configured. Nothing is written into the run directory before the first step
+    (`commit`): a start that fails or is interrupted (Interrupted) leaves it as it was."""
     stage = Stage()
     try:
         try:
             session = start(cfg, resume, overwrite, functions, console, allow_config_change, stage)
-            gate(session, skip_preflight, stage)
+            gate(session, skip_preflight, stage, recheck)
         except KeyboardInterrupt:
             raise Interrupted(
                 f"interrupted while {stage.doing}, before training started; nothing was written "
@@ -257,7 +259,9 @@ PROGRESS_KEYS = (
 )
 
 
-def gate(session: Session, skip_preflight: bool, stage: Stage | None = None) -> None:
+def gate(
+    session: Session, skip_preflight: bool, stage: Stage | None = None, recheck: bool = False
+) -> None:
     """Print the resolved config and objective (staged for the run directory), run the
     preflight, and measure the held-out accuracy before training."""
     stage = stage or Stage()
@@ -286,7 +290,7 @@ def gate(session: Session, skip_preflight: bool, stage: Stage | None = None) -> 
             "config checks the same quantities on one process"
         )
     stage.doing = "running the preflight"
-    record = preflight_gate(run, console, skip=skip_preflight or sharded)
+    record = preflight_gate(run, console, skip=skip_preflight or sharded, recheck=recheck)
     session.staged["preflight.json"] = record
     release_freed_memory()  # the preflight's copies and full-vocabulary logits
     if session.resume_dir is None:

@@ -12,6 +12,8 @@ start when one fails.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import inspect
 import json
 import os
 import tempfile
@@ -30,8 +32,9 @@ from grpolab.check import CheckResult
 from grpolab.checks.context import Context, PreflightBatch, PreflightSettings
 from grpolab.checks.episodes import Episodes, probe_episodes
 from grpolab.checks.registry import ALL
+from grpolab.checks.rewards import unscored_functions
 from grpolab.checks.runner import blamed, run_check
-from grpolab.config import Config, load_warnings, objective_of
+from grpolab.config import Config, flatten, load_warnings, objective_of, to_dict
 from grpolab.core import CoreFunctions, Objective
 from grpolab.model.policy import eval_mode
 from grpolab.rewards import score
@@ -72,15 +75,16 @@ def sample_batch(run: Run) -> tuple[PreflightBatch, list[str]]:
     examples = run.task.sample(n_prompts, seeds.preflight_prompts(cfg.seed))
     params = cfg.rollout.sampling(seed=seeds.preflight_sampling_seed(cfg.seed))
     rollout = run.engine.generate([e.prompt for e in examples], G, params)
-    rewards = score(rollout, examples, run.rewards).total
+    scores = score(rollout, examples, run.rewards)
     device = next(run.model.parameters()).device
     batch = PreflightBatch(
         rollout.input_ids.to(device),
         rollout.attention_mask.to(device),
         rollout.completion_mask.to(device),
-        rewards.float(),
+        scores.total.float(),
         G,
         None if rollout.engine_logprobs is None else rollout.engine_logprobs.to(device),
+        unscored_functions(scores),
     )
     return batch, rollout.completions
 
@@ -157,6 +161,7 @@ def preflight(
     inputs = load_inputs(cfg)  # the task and rewards first: their mistakes in seconds
     source = model_source(cfg)
     progress("loading the model")
+    torch.manual_seed(cfg.seed)  # as training does: the same LoRA adapters, the same model
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device), source)
     run = build_run(cfg, model, tokenizer, functions=functions, inputs=inputs)
     if console is not None:
@@ -164,7 +169,12 @@ def preflight(
         console.print(run.task.describe_answers())
     if episode_functions is not None and run.engine.episodes is not None:
         run.engine.episodes.functions = episode_functions
-    return run_preflight(run, progress)
+    results = run_preflight(run, progress)
+    if all(r.passed for r in results) and episode_functions is None:  # `train` may reuse it
+        key = fingerprint(run)
+        record = results_json(results, run.functions, load_warnings(cfg), key) + "\n"
+        remember_pass(key, record, len(results))
+    return results
 
 
 # --- Showing the results ------------------------------------------------------------------------
@@ -201,16 +211,21 @@ def print_results(results: list[CheckResult], console: Console, impl: CoreFuncti
 
 
 def results_json(
-    results: list[CheckResult], impl: CoreFunctions, config_warnings: list[str] | None = None
+    results: list[CheckResult],
+    impl: CoreFunctions,
+    config_warnings: list[str] | None = None,
+    fingerprint: str | None = None,
 ) -> str:
-    """preflight.json: the verdict, whose functions were checked, each check's result, and
-    the keys given that have no effect under the rest of the config."""
+    """preflight.json: the verdict, whose functions were checked, each check's result, the
+    keys given that have no effect under the rest of the config, and the fingerprint of what
+    was checked (a later run with the same one reuses a pass)."""
     return json.dumps(
         {
             "passed": all(r.passed for r in results),
             "impl": impl.path,
             "replaced": [f for f, src in impl.source.items() if src != "grpolab"],
             "config_warnings": config_warnings or [],
+            "fingerprint": fingerprint,
             "checks": [r.to_json() for r in results],
         },
         indent=2,
@@ -228,21 +243,31 @@ def skip_warning() -> str:
     )
 
 
-def preflight_gate(run: Run, console: Console, skip: bool = False) -> str:
+def preflight_gate(run: Run, console: Console, skip: bool = False, recheck: bool = False) -> str:
     """Run every check on the run's model, core functions and a real batch before step 1,
     printing each group as it starts; returns preflight.json's text for the run directory.
-    Raises PreflightFailed if a check fails, with the results written to a file of their
-    own (the run directory is left as it was). The global RNG state is left as found, so a
-    resumed run stays bit-exact."""
+    A passing preflight of the same fingerprint (`fingerprint`: what the checks read) is
+    reused, said in one line, unless `recheck`. Raises PreflightFailed if a check fails, with
+    the results written to a file of their own (the run directory is left as it was). The
+    global RNG state is left as found, so a resumed run stays bit-exact."""
     if skip:
         warning = skip_warning()
         console.print(f"[bold yellow]warning:[/bold yellow] {escape(warning)}")
         return json.dumps({"skipped": True, "warning": warning}, indent=2) + "\n"
+    key = fingerprint(run)
+    passed = None if recheck else passed_before(key)
+    if passed is not None:
+        console.print(
+            f"preflight: reusing the pass of {passed['when']} ({passed['checks']} checks; the "
+            f"same model weights, tokenizer, objective, functions, task, engine and precision, "
+            f"fingerprint {key}); {way('recheck')} runs it again"
+        )
+        return passed["record"]
     progress = PreflightProgress(console)
     device = next(run.model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         results = run_preflight(run, progress)
-    record = results_json(results, run.functions, load_warnings(run.cfg)) + "\n"
+    record = results_json(results, run.functions, load_warnings(run.cfg), key) + "\n"
     failed = blamed(results)  # the likely cause first
     if failed:
         print_results(results, console, run.functions)
@@ -256,7 +281,98 @@ def preflight_gate(run: Run, console: Console, skip: bool = False) -> str:
             f"{way('skip_preflight')} overrides"
         )
     console.print(f"preflight: all {len(results)} checks pass ({progress.elapsed():.1f} s)")
+    remember_pass(key, record, len(results))
     return record
+
+
+# --- A passing preflight, remembered ------------------------------------------------------------
+
+PREFLIGHT_CACHE_ENV = "GRPOLAB_PREFLIGHT_CACHE"  # where passes are kept (a directory)
+# Config keys that change nothing the checks read: where a run writes, how long it runs, what
+# it logs and evaluates, whether inert keys are refused.
+NOT_CHECKED = ("output_dir", "max_steps", "strict", "logging.", "checkpoints.", "eval.")
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+
+
+def preflight_cache_dir() -> Path:
+    """$GRPOLAB_PREFLIGHT_CACHE, else grpolab's cache ($XDG_CACHE_HOME or ~/.cache)/preflight."""
+    if os.environ.get(PREFLIGHT_CACHE_ENV):
+        return Path(os.environ[PREFLIGHT_CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "grpolab" / "preflight"
+
+
+def fingerprint(run: Run) -> str:
+    """What the preflight's verdict depends on, hashed: the config's keys the checks read,
+    the precision, every weight of the policy (and the reference), the tokenizer, the source
+    of the core and reward functions, the task's rows, grpolab's own code and the versions
+    of torch and transformers. Equal fingerprints: the same checks on the same inputs."""
+    h = hashlib.sha256()
+
+    def part(label: str, data: bytes | str) -> None:
+        h.update(label.encode() + b"\0" + (data.encode() if isinstance(data, str) else data))
+
+    config = {k: v for k, v in flatten(to_dict(run.cfg)).items() if not k.startswith(NOT_CHECKED)}
+    part("config", json.dumps(config, sort_keys=True, default=str))
+    part("precision", f"{run.precision.name} {torch.__version__} {transformers.__version__}")
+    for owner, model in (("policy", run.model), ("reference", run.ref_model)):
+        for name, tensor in (model.state_dict() if model is not None else {}).items():
+            part(f"{owner}.{name}", tensor_bytes(tensor))
+    part("tokenizer", tokenizer_text(run.tokenizer))
+    functions = [getattr(run.functions, f) for f in run.functions.source]
+    for fn in [*functions, *(r.fn for r in run.rewards)]:
+        part("function", source_text(fn))
+    for e in run.task.train + run.task.eval:
+        part("row", f"{e.prompt!s}\0{e.answer}")
+    for file in sorted(PACKAGE_DIR.rglob("*.py")):
+        part(str(file.relative_to(PACKAGE_DIR)), file.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    t = tensor.detach().cpu().contiguous()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def tokenizer_text(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocabulary = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab())
+    return f"{vocabulary}\0{tokenizer.chat_template}\0{tokenizer.special_tokens_map}"
+
+
+def source_text(fn) -> str:
+    """A function's source (its code's bytes where the source cannot be read)."""
+    fn = inspect.unwrap(fn)
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        code = getattr(fn, "__code__", None)
+        return repr(code.co_code) if code is not None else repr(fn)
+
+
+def passed_before(key: str) -> dict | None:
+    """The remembered pass of fingerprint `key` (when, how many checks, preflight.json's
+    text), or None."""
+    try:
+        return json.loads((preflight_cache_dir() / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def remember_pass(key: str, record: str, checks: int) -> None:
+    """Keep a passing preflight under its fingerprint (best effort: an unwritable cache only
+    means the next run checks again)."""
+    entry = {"when": time.strftime("%Y-%m-%d %H:%M"), "checks": checks, "record": record}
+    try:
+        folder = preflight_cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(entry))
+        os.replace(tmp, folder / f"{key}.json")
+    except OSError:
+        pass
 
 
 class PreflightProgress:
