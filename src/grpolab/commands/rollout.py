@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from grpolab.commands.jsonout import json_stdout, print_json
+from grpolab.rollout.advice import sampling_advice
 
 
 def add_rollout_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -79,6 +80,8 @@ def run_rollout(
     result = score(rollout, examples, rewards)
     lengths = rollout.completion_mask.sum(dim=1).tolist()
     unread, warnings = unreadable(tokenizer, examples)
+    templated, applied = tokenizer.chat_template is not None, cfg.task.chat_template
+    warnings += sampling_advice(rollout.completions, result.total, templated, applied)
     samples = []
     for i in range(rollout.batch_size):
         samples.append(

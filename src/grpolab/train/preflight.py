@@ -38,6 +38,7 @@ from grpolab.config import Config, flatten, load_warnings, objective_of, to_dict
 from grpolab.core import CoreFunctions, Objective
 from grpolab.model.policy import eval_mode
 from grpolab.rewards import score
+from grpolab.rollout.advice import sampling_advice
 from grpolab.train.monitors import limits_for
 from grpolab.train.setup import (
     BatchPlan,
@@ -133,7 +134,11 @@ def _ready(ctx: Context, stage: str) -> bool:
         G = cfg.batch.num_generations
         ctx.say(f"sampling {max(2, PREFLIGHT_ROWS // G)} prompts x {G} from the task (up to "
                 f"{cfg.rollout.episode_budget()} tokens each) and scoring them")  # fmt: skip
-        ctx.batch, _ = sample_batch(run)
+        ctx.batch, completions = sample_batch(run)
+        for warning in sampling_advice(completions, ctx.batch.rewards,
+                                       run.tokenizer.chat_template is not None,
+                                       cfg.task.chat_template):  # fmt: skip
+            ctx.say(f"warning: {warning}")
         ctx.say(f"the checks of goals 1-7 on the {ctx.batch.input_ids.shape[0]} sampled rows")
         torch.manual_seed(ctx.settings.seed)
     if stage == "episodes" and ctx.episodes is None:
