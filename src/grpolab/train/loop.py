@@ -578,7 +578,21 @@ def finish(session: Session) -> dict[str, Any]:
             f"{percent(strict_before)} -> {percent(strict_after)}; in "
             f"{summary['wall_seconds']:.0f} s; run directory {session.log_dir}"
         )
+    else:  # no held-out rows (or no evaluation): say where the run is and why no accuracy
+        console.print(
+            f"[bold]trained {session.step} steps[/bold] in {summary['wall_seconds']:.0f} s; "
+            f"no held-out accuracy ({escape(no_evaluation_reason(run))}); run directory "
+            f"{session.log_dir}"
+        )
     return summary
+
+
+def no_evaluation_reason(run: Run) -> str:
+    if not run.task.has_references:
+        return "the task has no reference answers"
+    if run.cfg.eval.eval_examples == 0:
+        return "eval.eval_examples=0"
+    return "no rows held out: task.num_eval, task.eval_fraction or task.eval_path hold some out"
 
 
 # --- Stopping on request -------------------------------------------------------------------------
