@@ -31,6 +31,8 @@ TRL_METRICS = {
 }
 # Logged as the last step's value, as transformers does; the rest is the window's mean.
 LAST_VALUE = ("learning_rate", "grad_norm")
+# The held-out accuracy measured at a step (eval.eval_steps): logged as an entry of its own.
+HELD_OUT = ("eval_accuracy", "eval_strict_accuracy")
 
 
 def trl_metrics(metrics: dict[str, Any]) -> dict[str, float]:
@@ -95,6 +97,8 @@ class TrainerEvents:
         """transformers' CallbackHandler.call_event: each callback with (args, state,
         control) and the run's model, tokenizer, optimizer and schedule; a returned control
         replaces it."""
+        if not self.trainer.callbacks:
+            return self.control
         run = self.session.run if self.session is not None else None
         objects = {
             "model": run.model if run else self.trainer.model,
@@ -130,21 +134,27 @@ class TrainerEvents:
     def step(self, session, step: int, metrics: dict[str, Any]) -> None:
         cfg = session.run.cfg
         self.state.global_step, self.state.epoch = step, self.epoch(step)
-        self.window.append(trl_metrics(metrics))
+        logs = trl_metrics(metrics)
+        held_out = {k: logs.pop(k) for k in HELD_OUT if k in logs}  # an entry of its own
+        self.window.append(logs)
         self.losses.append(float(metrics["loss"]))
         self.call("on_step_end")
         last = step == cfg.max_steps or self.control.should_training_stop
         if step % cfg.logging.logging_steps == 0 or last:
-            logs = window_mean(self.window)
+            self.log(window_mean(self.window))
             self.window.clear()
-            self.state.log_history.append({**logs, "epoch": self.state.epoch, "step": step})
-            self.call("on_log", logs=logs)
-        if "eval_accuracy" in metrics:
-            held_out = {"eval_accuracy": metrics["eval_accuracy"],
-                        "eval_strict_accuracy": metrics["eval_strict_accuracy"]}  # fmt: skip
+        if held_out:
+            self.log(held_out)
             self.call("on_evaluate", metrics=held_out)
         if self.control.should_training_stop:
             session.stop = True
+
+    def log(self, logs: dict[str, float]) -> None:
+        """An entry of log_history (with the epoch and step, as transformers writes it),
+        and the callbacks' on_log."""
+        self.state.log_history.append({**logs, "epoch": self.state.epoch,
+                                       "step": self.state.global_step})  # fmt: skip
+        self.call("on_log", logs=logs)
 
     def save(self, session, step: int, path) -> None:
         self.call("on_save")

@@ -34,7 +34,7 @@ from grpolab.config import (
     replaced,
 )
 from grpolab.config.load import with_notes
-from grpolab.config.trl import epoch_steps, epoch_values, model_init_values
+from grpolab.config.trl import NO_HUB, epoch_steps, epoch_values, model_init_values
 from grpolab.model.policy import GivenModel, load_tokenizer, save_policy
 from grpolab.rewards import load_rewards
 from grpolab.tasks import load_task
@@ -198,7 +198,7 @@ class GRPOTrainer:
             with from_python():
                 device = resolve_device(self.config.model.device)
                 model, tokenizer = load_start_model(self.config, device)
-            held = GivenModel(model, tokenizer)
+            held = GivenModel(model, tokenizer, name=self.config.model.name_or_path)
             self.config = replaced(self.config, {"model.name_or_path": held})
             self._model, self._tokenizer = model, tokenizer
         return self._model
@@ -268,9 +268,9 @@ class GRPOTrainer:
                                      self.eval_generations)  # fmt: skip
         out = {f"{metric_key_prefix}_{k}": v for k, v in trl_metrics(metrics).items()}
         out[f"{metric_key_prefix}_runtime"] = time.perf_counter() - tic
-        self.state.log_history.append({**out, "epoch": self.state.epoch,
-                                       "step": self.state.global_step})  # fmt: skip
-        TrainerEvents(self).call("on_evaluate", metrics=out)
+        events = TrainerEvents(self)
+        events.log(out)
+        events.call("on_evaluate", metrics=out)
         return out
 
     def _eval_config(self, eval_dataset: Any) -> Config:
@@ -297,6 +297,16 @@ class GRPOTrainer:
         if hasattr(model, "merge_and_unload"):  # peft: merged on a copy, the model unchanged
             model = copy.deepcopy(model).merge_and_unload()
         save_policy(model, self.processing_class, path)
+
+    def save_state(self) -> None:
+        """trainer_state.json (transformers' TrainerState, log_history included) in the run's
+        directory."""
+        path = Path(self.run_dir or self.config.output_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        self.state.save_to_json(str(path / "trainer_state.json"))
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigError(f"push_to_hub: {NO_HUB}")
 
 
 class TrainSummary(dict):

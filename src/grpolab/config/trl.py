@@ -275,7 +275,7 @@ def trl_values(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], l
             warnings.append(f"GRPOConfig({name}=...) has no effect: {TRL_IGNORED[name]}")
         elif name in TRL_DATA:
             data[name] = value
-        elif "." in name:
+        elif "." in name or name in grpolab_keys():
             values[name] = value  # a grpolab key (load_config checks it)
         else:
             raise ConfigError(f"GRPOConfig({name}=...): {not_a_name(name, trl=True)}")

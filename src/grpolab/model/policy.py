@@ -169,12 +169,18 @@ class GivenModel:
     model.name_or_path holds in their place. Trained as it is, in place; config.yaml records
     it as one line (`record`), which a later load reads as not on disk."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
-        self.model, self.tokenizer = model, tokenizer
-
     RECORDED = " given in Python, loaded from "
+    UNNAMED = object()
 
-    def record(self) -> str:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 name: str | object | None = UNNAMED):  # fmt: skip
+        """`name`: the model.name_or_path grpolab loaded these from, unchanged (recorded as
+        that name); else they are the caller's own."""
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+
+    def record(self) -> str | None:
+        if self.name is not self.UNNAMED:
+            return self.name
         source = getattr(self.model, "name_or_path", "") or "memory"
         return f"({type(self.model).__name__}{self.RECORDED}{source})"
 

@@ -32,6 +32,9 @@ _GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
 
 def load_file_task(cfg: TaskConfig) -> Task:
     prompt_field, answer_field, template = _fields(cfg)
+    held_out = _eval_rows(cfg)
+    if isinstance(cfg.rows, str) and not cfg.path and held_out is not None:
+        return _held_out_only(cfg, held_out, prompt_field, answer_field, template)
     rows, source = _train_rows(cfg)
     answer_field = _reference_field(cfg, rows, answer_field)
     examples = _examples(cfg, rows, prompt_field, answer_field, template, source)
@@ -45,7 +48,6 @@ def load_file_task(cfg: TaskConfig) -> Task:
             "so nothing is held out and the rewards alone judge the completions"
         )
         return task
-    held_out = _eval_rows(cfg)
     if held_out is not None:
         eval_rows, why = held_out
         eval_examples = _examples(cfg, eval_rows, prompt_field, answer_field, template, why)
@@ -69,6 +71,20 @@ def load_file_task(cfg: TaskConfig) -> Task:
 
 
 Rows = list[tuple[str, dict[str, Any]]]  # [(where, row)]: where names the row in errors
+
+
+def _held_out_only(cfg: TaskConfig, held_out: tuple[Rows, str], prompt_field: str,
+                   answer_field: str, template: str) -> Task:  # fmt: skip
+    """The held-out rows alone, when the training rows were given in Python (config.yaml
+    records them as a line) and the held-out ones are given apart: what `grpolab eval` of
+    such a run reads. No training row: a training run of it says so."""
+    rows, why = held_out
+    answer_field = _reference_field(cfg, rows, answer_field)
+    examples = _examples(cfg, rows, prompt_field, answer_field, template, why)
+    task = Task(name=cfg.name, train=[], eval=examples[: cfg.num_eval or None], config=cfg)
+    task.has_references = answer_field is not None
+    task.split_reason = f"from {why}; the training rows, task.rows={cfg.rows}, are not on disk"
+    return task
 
 
 def _train_rows(cfg: TaskConfig) -> tuple[Rows, str]:
