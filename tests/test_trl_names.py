@@ -151,6 +151,12 @@ def test_a_trl_value_grpolab_cannot_honour_is_refused_with_the_reason(given, wor
     assert "\n" not in str(err.value)
 
 
+def test_push_to_hub_is_one_line_naming_what_to_do_instead():
+    trainer = GRPOTrainer(args=GRPOConfig(max_steps=1, push_to_hub=False))
+    with pytest.raises(ConfigError, match=r"^push_to_hub: grpolab does not push.*save_model"):
+        trainer.push_to_hub()
+
+
 def test_every_trl_name_is_in_one_table_and_every_mapped_key_exists():
     tables = [set(TRL_KEYS), set(TRL_CONVERTED), set(TRL_DEFAULT), set(TRL_IGNORED)]
     assert sum(len(t) for t in tables) == len(set().union(*tables))

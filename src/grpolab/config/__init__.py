@@ -18,7 +18,6 @@ from grpolab.config.inert import INERT, baseline
 from grpolab.config.load import (
     aliases,
     canonical,
-    check_overrides,
     check_values,
     flatten,
     load_config,
@@ -78,7 +77,6 @@ __all__ = [
     "baseline",
     "canonical",
     "check",
-    "check_overrides",
     "check_values",
     "differences_from_defaults",
     "flatten",

@@ -91,21 +91,10 @@ def normalise(cfg: Config, given: dict[str, int]) -> tuple[Config, list[str], li
     return cfg, notes + batch + inert, warnings
 
 
-def check_overrides(overrides: list[str]) -> None:
-    """Each `key=value` names a key and has a value of its type (ConfigError naming it); the
-    checks between keys wait for load_config, when the whole config is known."""
-    schema = OmegaConf.structured(Config)
-    for item in overrides:
-        _, key, value = _override(item, schema)
-        try:
-            OmegaConf.merge(schema, OmegaConf.create(_literal(_nest({key: value}))))
-        except OmegaConfBaseException as e:
-            raise ConfigError(_describe(e, schema)) from None
-
-
 def check_values(values: dict[str, Any]) -> None:
-    """`check_overrides` for load_config's `values`: each names a key and has a value of its
-    type (an object where OBJECT_KEYS takes one)."""
+    """Each of load_config's `values` names a key and has a value of its type (an object
+    where OBJECT_KEYS takes one), ConfigError naming it; the checks between keys wait for
+    load_config, when the whole config is known."""
     schema = OmegaConf.structured(Config)
     layer, _ = _values_layer(values, schema)
     try:
