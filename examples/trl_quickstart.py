@@ -6,8 +6,8 @@ Everything else is TRL's: GRPOConfig(output_dir=...) alone, TRL's default of 3 e
 
     .venv/bin/python examples/trl_quickstart.py
 
-model="smollm2-135m-instruct" (the packaged SmolLM2-135M-Instruct) runs the real model on
-prompts in words; on 2 CPU cores its preflight takes minutes and a step 1-2 minutes.
+With model="smollm2-135m-instruct" (the packaged SmolLM2-135M-Instruct) the same script trains
+a real model, whose tokenizer also reads prompts in words; on a CPU that takes minutes.
 """
 
 # train_grpo.py

@@ -110,8 +110,9 @@ class Session:
     # start that fails or is interrupted leaves the directory as it was.
     staged: dict[str, str] = field(default_factory=dict)
     # Called as listener(event, session, data) at "train_begin", "step" (step, metrics),
-    # "save" (step, path) and "train_end" (summary); one that sets `stop` ends the run after
-    # the step, finished as at max_steps (the last checkpoint, the evaluation, the summary).
+    # "save" (step, path) and "train_end" (summary); one that sets `stop` (on any rank) ends
+    # the run after the step, finished as at max_steps (the last checkpoint, the evaluation,
+    # the summary).
     listeners: list[Callable[[str, Session, dict], None]] = field(default_factory=list)
     stop: bool = False
 
@@ -395,6 +396,7 @@ def steps(session: Session) -> None:
                     f"stopped after step {step} ({stop.signal_name}); checkpoint {path}; "
                     f"continue with {continue_command(session.run_dir)}"
                 )
+            session.stop = dist_module.any_rank(session.stop, run.dist)  # every rank stops
             every = cfg.checkpoints.save_steps
             if every and step % every == 0 and step < cfg.max_steps and not session.stop:
                 save(session, step)
