@@ -1,10 +1,11 @@
 """GRPOTrainer's TRL arguments that are objects: a loaded causal LM as `model`, a tokenizer as
-`processing_class`, a peft LoraConfig as `peft_config`. Each is saved or mapped onto grpolab's
-own config and trained for real by grpolab's trainer; what grpolab cannot honour is refused,
-named."""
+`processing_class`, a peft LoraConfig as `peft_config`. Each goes into grpolab's config as it
+is (the model and its tokenizer, never saved and loaded back) or mapped onto grpolab's keys,
+and is trained for real by grpolab's trainer; what grpolab cannot honour is refused, named."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -22,7 +23,13 @@ from transformers import (
 from grpolab import GRPOConfig, GRPOTrainer
 from grpolab.config import ConfigError, load_config
 from grpolab.model.dist import Dist
-from grpolab.model.policy import build_char_tokenizer, build_tiny_model, load_policy, load_tokenizer
+from grpolab.model.policy import (
+    GivenModel,
+    build_char_tokenizer,
+    build_tiny_model,
+    load_policy,
+    load_tokenizer,
+)
 from grpolab.train.setup import DEMO_MODEL_DIR, prepare_model
 
 DEMO_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
@@ -64,6 +71,13 @@ def saved_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(path) / "model.safetensors"))
 
 
+def given(trainer: GRPOTrainer) -> GivenModel:
+    """The model object the trainer's config holds (model.name_or_path)."""
+    held = trainer.config.model.name_or_path
+    assert isinstance(held, GivenModel)
+    return held
+
+
 def assert_same_weights(saved: dict[str, torch.Tensor], model: torch.nn.Module):
     given = model.state_dict()
     assert saved and set(saved) <= set(given)  # tied lm_head.weight is not stored twice
@@ -74,25 +88,26 @@ def assert_same_weights(saved: dict[str, torch.Tensor], model: torch.nn.Module):
 # --- model= a loaded causal LM ----------------------------------------------------------------
 
 
-def test_a_model_object_is_saved_with_its_tokenizer_and_trained(tmp_path, loaded):
+def test_a_model_object_is_trained_as_it_is_with_its_tokenizer(tmp_path, loaded):
     model, tokenizer = loaded
+    start = {k: v.clone() for k, v in model.state_dict().items()}
     out = tmp_path / "run"
     # 8 prompts x 8 samples: some group's rewards vary, so the step changes the weights
     args = fast(out, per_device_train_batch_size=64, num_generations=8, learning_rate=1e-3)
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=exact, args=args,
                           train_dataset=rows(40), eval_dataset=rows(8, start=70))  # fmt: skip
-    source = Path(trainer.config.model.name_or_path)
-    assert source.parent == Path(trainer._scratch.name)
-    assert_same_weights(saved_weights(source), model)
-    assert load_tokenizer(str(source)).get_vocab() == tokenizer.get_vocab()
+    # the objects themselves, not a copy saved somewhere and loaded back
+    assert given(trainer).model is model and given(trainer).tokenizer is tokenizer
+    assert trainer.model is model and trainer.processing_class is tokenizer
     summary = trainer.train(overwrite=True)
     assert summary["steps"] == 1 and summary["accuracy_after"] is not None
     assert json.loads((out / "preflight.json").read_text())["passed"]
-    trained = saved_weights(out / "checkpoint-1")  # the step changed the given weights
-    assert set(trained) == set(saved_weights(source))
-    assert any(
-        not torch.equal(trained[k], v) for k, v in model.state_dict().items() if k in trained
-    )
+    # trained in place, as TRL trains the model it is given: the checkpoint holds its weights
+    assert trainer.model is model
+    assert any(not torch.equal(v, start[k]) for k, v in model.state_dict().items())
+    assert_same_weights(saved_weights(out / "checkpoint-1"), model)
+    recorded = (out / "config.yaml").read_text()
+    assert f"(LlamaForCausalLM given in Python, loaded from {DEMO_MODEL_DIR})" in recorded
 
 
 def test_a_model_object_without_processing_class_uses_the_tokenizer_it_was_loaded_with(
@@ -103,13 +118,11 @@ def test_a_model_object_without_processing_class_uses_the_tokenizer_it_was_loade
     tokenizer.save_pretrained(tmp_path / "mine")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mine")
     trainer = GRPOTrainer(model=loaded, args=fast(tmp_path / "run"))
-    source = trainer.config.model.name_or_path
-    assert Path(source).parent == Path(trainer._scratch.name)
-    assert load_tokenizer(source).get_vocab() == tokenizer.get_vocab()
-    assert_same_weights(saved_weights(source), model)
+    assert given(trainer).model is loaded
+    assert given(trainer).tokenizer.get_vocab() == tokenizer.get_vocab()
 
 
-def test_a_model_object_grpolab_cannot_load_back_is_refused_naming_it(tiny):
+def test_a_model_object_grpolab_cannot_train_is_refused_naming_it(tiny):
     model, tokenizer = tiny
     with pytest.raises(ConfigError, match=r"model:.*no tokenizer.*pass processing_class"):
         GRPOTrainer(model=model)  # built here: no name_or_path to load a tokenizer from
@@ -141,11 +154,10 @@ def test_processing_class_replaces_a_named_models_tokenizer(tmp_path):
     tokenizer.model_max_length = 333  # what tells the given tokenizer from the model's own
     trainer = GRPOTrainer(model="demo", processing_class=tokenizer, reward_funcs=exact,
                           args=fast(tmp_path / "run"), train_dataset=rows(40))  # fmt: skip
-    source = trainer.config.model.name_or_path
-    assert Path(source).parent == Path(trainer._scratch.name)
-    assert load_tokenizer(source).model_max_length == 333
+    # the named model, loaded here to go with the given tokenizer (the object itself)
+    assert given(trainer).tokenizer is tokenizer
     demo, _ = load_policy(str(DEMO_MODEL_DIR))
-    assert_same_weights(saved_weights(source), demo)
+    assert_same_weights(demo.state_dict(), given(trainer).model)
     assert trainer.train(overwrite=True)["steps"] == 1
 
 
@@ -154,7 +166,7 @@ def test_a_processors_tokenizer_is_used(tiny):
     # a real multimodal processor (audio features + text), its tokenizer the tiny model's
     processor = Wav2Vec2Processor(feature_extractor=Wav2Vec2FeatureExtractor(), tokenizer=tokenizer)
     trainer = GRPOTrainer(model=model, processing_class=processor)
-    assert load_tokenizer(trainer.config.model.name_or_path).get_vocab() == tokenizer.get_vocab()
+    assert given(trainer).tokenizer is tokenizer
 
 
 def test_a_tokenizer_larger_than_the_named_models_vocabulary_is_refused():
@@ -177,9 +189,9 @@ def test_a_lora_config_becomes_grpolabs_lora_keys_and_trains_adapters(tmp_path, 
     lora = trainer.config.lora
     assert (lora.r, lora.alpha, lora.dropout) == (4, 8, 0.05)
     assert lora.target_modules == ["q_proj", "v_proj"]
-    # the policy grpolab builds from this config trains the adapters alone
-    policy, _ = load_policy(trainer.config.model.name_or_path)
-    policy, _ = prepare_model(policy, trainer.config, Dist())
+    # the policy grpolab builds from this config trains the adapters alone (checked on a
+    # copy: building it wraps the model in place, as training does next)
+    policy, _ = prepare_model(copy.deepcopy(given(trainer).model), trainer.config, Dist())
     trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert {n.split(".")[-4] for n in trainable} == {"q_proj", "v_proj"}

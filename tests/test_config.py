@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from grpolab.config import Config, ConfigError, load_config, objective_of, to_yaml
+from grpolab.config import (
+    Config,
+    ConfigError,
+    baseline,
+    get,
+    load_config,
+    load_warnings,
+    objective_of,
+    to_yaml,
+)
 
 
 def test_defaults_are_the_cpu_demo():
@@ -216,12 +225,18 @@ def test_a_profile_convention_yields_to_a_key_it_conflicts_with():
         "profile verl's dual_clip=3.0 not applied: objective.loss_type=cispo (CISPO has no "
         "clipped surrogate to bound)"
     ]
-    with pytest.raises(ConfigError) as err:  # given by the user, it stays an error
-        load_config(None, ["objective.profile=verl", "objective.loss_type=cispo",
-                           "objective.epsilon_high=5", "objective.dual_clip=3"])  # fmt: skip
+    given = ["objective.profile=verl", "objective.loss_type=cispo", "objective.epsilon_high=5",
+             "objective.dual_clip=3"]  # fmt: skip
+    # Given by the user, it is said (ignored with a warning) or, under strict, refused.
+    assert load_warnings(load_config(None, given)) == [
+        "objective.dual_clip=3.0 has no effect with objective.loss_type=cispo: that loss has no "
+        "clipped surrogate for it to bound: ignored (--strict refuses it)"
+    ]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*given, "strict=true"])
     assert str(err.value) == (
         "objective.dual_clip=3.0 has no effect with objective.loss_type=cispo: that loss has no "
-        "clipped surrogate for it to bound; remove it"
+        "clipped surrogate for it to bound; remove it (strict refuses it)"
     )
 
 
@@ -297,13 +312,17 @@ INERT_CASES = [
 
 
 @pytest.mark.parametrize("overrides", INERT_CASES, ids=lambda o: o[0])
-def test_a_key_without_effect_is_refused_with_the_reason(overrides):
-    with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
-    message = str(err.value)
+def test_a_key_without_effect_is_a_warning_and_refused_under_strict(overrides):
     key = overrides[0].split("=")[0]
+    cfg = load_config(None, overrides)  # the run goes on: the key is said and ignored
+    (warning,) = [w for w in load_warnings(cfg) if w.startswith(f"{key}=")]
+    assert "has no effect" in warning and warning.endswith(": ignored (--strict refuses it)")
+    assert get(cfg, key) == baseline(cfg, key)  # ignored: what a run without it holds
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*overrides, "strict=true"])
+    message = str(err.value)
     assert message.startswith(f"{key}=") and "has no effect" in message, message
-    assert message.endswith("; remove it") and "\n" not in message
+    assert message.endswith("; remove it (strict refuses it)") and "\n" not in message
 
 
 def test_every_inert_rule_has_a_case():
@@ -346,8 +365,10 @@ def test_a_files_key_yields_to_a_later_override_that_makes_it_inert(tmp_path):
     again.write_text(to_yaml(cfg))
     assert load_config(again) == cfg
     path.write_text("rollout:\n  vllm:\n    gpu_memory_utilization: 0.5\n")  # the file alone
+    (warning,) = load_warnings(load_config(path))
+    assert "has no effect with rollout.engine=hf" in warning
     with pytest.raises(ConfigError, match=r"has no effect with rollout\.engine=hf"):
-        load_config(path)
+        load_config(path, ["strict=true"])
 
 
 def test_every_shipped_example_loads_without_notes():

@@ -198,3 +198,25 @@ def test_the_api_takes_a_loaded_reward_model(rm_dir, tmp_path):
     trainer.train(overwrite=True)
     assert "rewards/tiny-rm/mean" in (tmp_path / "api" / "metrics.jsonl").read_text()
     assert str(rm_dir) in (tmp_path / "api" / "config.yaml").read_text()
+
+
+def test_reward_processing_classes_give_a_loaded_reward_model_its_tokenizer():
+    """TRL's reward_processing_classes: one per reward, the tokenizer a reward model scores
+    with; a function reads text, so a tokenizer given for one is refused, named."""
+    from grpolab import GRPOConfig, GRPOTrainer
+    from grpolab.config import ConfigError
+
+    model, tokenizer = tiny_reward_model()
+    tokenizer.model_max_length = 77  # what tells the given tokenizer from any other
+    args = GRPOConfig(max_steps=1)
+    trainer = GRPOTrainer(reward_funcs=["accuracy", model], args=args,
+                          reward_processing_classes=[None, tokenizer])  # fmt: skip
+    scorer = trainer.config.rewards.functions[1]
+    assert isinstance(scorer, RewardModel) and scorer.tokenizer is tokenizer
+    with pytest.raises(ConfigError, match=r"reward_processing_classes\[0\]: reward_funcs\[0\] is "
+                                          r"a function"):  # fmt: skip
+        GRPOTrainer(reward_funcs=[len, model], args=args,
+                    reward_processing_classes=[tokenizer, None])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"1 given for 2 reward_funcs"):
+        GRPOTrainer(reward_funcs=["accuracy", model], args=args,
+                    reward_processing_classes=[tokenizer])  # fmt: skip

@@ -76,7 +76,8 @@ def test_it_applies_only_where_nothing_else_reads_the_rows():
     assert not skips_zero_advantage(load_config(None, []), distributed=True)
     assert not skips_zero_advantage(load_config(None, ["runtime.skip_zero_advantage=false"]))
     with pytest.raises(ConfigError, match="skip_zero_advantage=False has no effect"):
-        load_config(None, ["objective.beta=0.04", "runtime.skip_zero_advantage=false"])
+        load_config(None, ["objective.beta=0.04", "runtime.skip_zero_advantage=false",
+                           "strict=true"])  # fmt: skip
 
 
 def run(tmp_path, name, *overrides):

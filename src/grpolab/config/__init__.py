@@ -10,6 +10,7 @@ effect) and checked at load, never changed after.
     load.py      layers, overrides, the older names (trainer.<key>, rollout.vllm_<key>, ...),
                  the profile, notes
     inert.py     keys without effect: refused, or yielding to a later layer
+    trl.py       TRL's GRPOConfig names: what each means here; the one did-you-mean
     resume.py    config.yaml, and what a resumed run may change
 """
 
@@ -17,7 +18,7 @@ from grpolab.config.inert import INERT, baseline
 from grpolab.config.load import (
     aliases,
     canonical,
-    check_overrides,
+    check_values,
     flatten,
     load_config,
     load_notes,
@@ -76,7 +77,7 @@ __all__ = [
     "baseline",
     "canonical",
     "check",
-    "check_overrides",
+    "check_values",
     "differences_from_defaults",
     "flatten",
     "get",

@@ -26,7 +26,7 @@ def _local_file(path: str | None) -> bool:
 
 
 def _gguf_source(m: ModelConfig) -> bool:
-    name = m.name_or_path or ""
+    name = m.name_or_path if isinstance(m.name_or_path, str) else ""  # or a model object
     return name in PACKAGED_MODELS or bool(m.gguf_file) or name.lower().endswith(".gguf")
 
 
@@ -37,7 +37,8 @@ def _keys(section: str, cls: type, but: tuple[str, ...] = ()) -> tuple[str, ...]
 HF_KEYS = ("rollout.hf.shared_prefill", "rollout.hf.sampler")
 ARITHMETIC_KEYS = ("task.min_operand", "task.max_operand", "task.operators")
 FILE_TASK_KEYS = ("task.path", "task.eval_path", "task.subset", "task.split", "task.eval_split",
-                  "task.prompt_field", "task.answer_field", "task.eval_fraction")  # fmt: skip
+                  "task.prompt_field", "task.answer_field", "task.eval_fraction", "task.rows",
+                  "task.eval_rows")  # fmt: skip
 EVAL_KEYS = ("eval.eval_steps", "eval.eval_examples", "eval.eval_max_completion_length")
 
 CONFIG_INERT = (
@@ -86,9 +87,13 @@ CONFIG_INERT = (
           lambda c: c.task.name != "arithmetic" and _local_file(c.task.path),
           "with a local file as task.path: it picks a Hugging Face dataset's config or split "
           "(a local held-out file is task.eval_path)"),
-    Inert(("task.eval_fraction",), ("task.eval_path", "task.eval_split"),
-          lambda c: bool(c.task.eval_path or c.task.eval_split),
-          "with a separate held-out set (task.eval_path / task.eval_split)"),
+    Inert(("task.subset", "task.split"), ("task.rows",),
+          lambda c: c.task.name != "arithmetic" and isinstance(c.task.rows, list),
+          "with rows given in Python (task.rows): it picks a Hugging Face dataset's config or "
+          "split"),
+    Inert(("task.eval_fraction",), ("task.eval_path", "task.eval_split", "task.eval_rows"),
+          lambda c: bool(c.task.eval_path or c.task.eval_split or c.task.eval_rows),
+          "with a separate held-out set (task.eval_path / task.eval_split / task.eval_rows)"),
     Inert(("task.system_prompt",), ("task.chat_template",), lambda c: not c.task.chat_template,
           "with task.chat_template=false: a plain prompt has no system turn"),
     Inert(("runtime.shared_prefix",), ("runtime.logprobs",),
@@ -99,9 +104,10 @@ CONFIG_INERT = (
     Inert(("eval.eval_steps", "eval.eval_max_completion_length"),
           ("eval.eval_examples",), lambda c: c.eval.eval_examples == 0,
           "with eval.eval_examples=0: no held-out evaluation runs"),
-    Inert(EVAL_KEYS, ("task.num_eval", "task.eval_path", "task.eval_split", "task.eval_fraction"),
-          lambda c: c.task.num_eval == 0
-          and not (c.task.eval_path or c.task.eval_split or c.task.eval_fraction),
+    Inert(EVAL_KEYS, ("task.num_eval", "task.eval_path", "task.eval_split", "task.eval_fraction",
+                      "task.eval_rows"),
+          lambda c: c.task.num_eval == 0 and not (c.task.eval_path or c.task.eval_split
+                                                  or c.task.eval_fraction or c.task.eval_rows),
           "with task.num_eval=0: the task holds no held-out problems"),
     Inert(("logging.log_completions_count",), ("logging.log_completions_steps",),
           lambda c: c.logging.log_completions_steps == 0,

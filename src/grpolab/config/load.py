@@ -21,8 +21,9 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from grpolab.config.inert import yield_or_refuse_inert
 from grpolab.config.tree import SECTIONS, Config, ConfigError, check, with_values
+from grpolab.config.trl import NO_VALUE, not_a_name, suggest
 from grpolab.objective import PROFILE_YIELDS, PROFILES
-from grpolab.tasks import GENERATED_NUM_EVAL, GENERATED_TASKS
+from grpolab.tasks import GENERATED_NUM_EVAL, GENERATED_TASKS, GivenRows
 
 NULLS = ("null", "none", "~", "")
 LEGACY_SECTION = "trainer"  # every key of the training loop lived here before its section
@@ -34,12 +35,15 @@ def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
     base: str | Path | None = None,
+    values: dict[str, Any] | None = None,
 ) -> Config:
     """Defaults (the demo's) <- a run's config at `base` (`grpolab eval` of a checkpoint) <-
-    the YAML file at `path` <- `section.key=value` overrides, merged key by key with
-    OmegaConf's typed merge (a key left out keeps the value below it:
-    rollout.max_completion_length stays 6 when only rollout.temperature is given); then
-    normalised once (`normalise`) and checked. The result is frozen.
+    the YAML file at `path` <- `section.key=value` overrides <- `values` ({dotted key: a
+    Python value}: the Python API's), merged key by key with OmegaConf's typed merge (a key
+    left out keeps the value below it: rollout.max_completion_length stays 6 when only
+    rollout.temperature is given); then normalised once (`normalise`) and checked. The
+    result is frozen. `values` may hold objects for OBJECT_KEYS (reward callables, rows, a
+    loaded model), set as they are after the merge.
 
     A key that would have no effect in the configured setup is refused (`INERT`), unless a
     later layer made it so (a file's vLLM key under an override rollout.engine=hf): then it
@@ -51,6 +55,10 @@ def load_config(
         if file is not None:
             layers.append((f"config file {str(file)!r}", _file_layer(Path(file))))
     layers.append(("overrides", _overrides_layer(overrides or [], schema)))
+    objects: dict[str, Any] = {}
+    if values:
+        layer, objects = _values_layer(values, schema)
+        layers.append(("values", layer))
     notes = renamed_note(layers)
     merged: Any = schema
     for where, layer in layers:  # one at a time: an error names the file it came from
@@ -58,12 +66,14 @@ def load_config(
             merged = OmegaConf.merge(merged, OmegaConf.create(_literal(_nest(layer))))
         except OmegaConfBaseException as e:
             message = _describe(e, schema)
-            raise ConfigError(message if where == "overrides" else f"{where}: {message}") from None
+            given = where in ("overrides", "values")
+            raise ConfigError(message if given else f"{where}: {message}") from None
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_describe(e, schema)) from None
-    cfg, more, warnings = normalise(cfg, _given_keys(layers))
+    given = _given_keys(layers) | dict.fromkeys(objects, len(layers) - 1)
+    cfg, more, warnings = normalise(with_values(cfg, objects), given)
     return with_notes(cfg, notes + more, warnings)
 
 
@@ -81,16 +91,92 @@ def normalise(cfg: Config, given: dict[str, int]) -> tuple[Config, list[str], li
     return cfg, notes + batch + inert, warnings
 
 
-def check_overrides(overrides: list[str]) -> None:
-    """Each `key=value` names a key and has a value of its type (ConfigError naming it); the
-    checks between keys wait for load_config, when the whole config is known."""
+def check_values(values: dict[str, Any]) -> None:
+    """Each of load_config's `values` names a key and has a value of its type (an object
+    where OBJECT_KEYS takes one), ConfigError naming it; the checks between keys wait for
+    load_config, when the whole config is known."""
     schema = OmegaConf.structured(Config)
-    for item in overrides:
-        _, key, value = _override(item, schema)
-        try:
-            OmegaConf.merge(schema, OmegaConf.create(_literal(_nest({key: value}))))
-        except OmegaConfBaseException as e:
-            raise ConfigError(_describe(e, schema)) from None
+    layer, _ = _values_layer(values, schema)
+    try:
+        OmegaConf.merge(schema, OmegaConf.create(_literal(_nest(layer))))
+    except OmegaConfBaseException as e:
+        raise ConfigError(_describe(e, schema)) from None
+
+
+# Keys a Python caller may give objects for (load_config's `values`), set as they are after
+# the typed merge; config.yaml records each object by one line (config.resume.to_dict): a
+# reward callable by its qualified name, rows (GivenRows) and a loaded model (GivenModel) by
+# what they are. Rows never go through the merge, whatever they hold.
+OBJECT_KEYS = ("rewards.functions", "model.name_or_path", "task.rows", "task.eval_rows")
+ROW_KEYS = ("task.rows", "task.eval_rows")
+
+
+def _values_layer(values: dict[str, Any], schema: DictConfig) -> tuple[dict, dict]:
+    """(the layer of plain values, the objects of OBJECT_KEYS), under the keys' current
+    names; an unknown key is refused with the did-you-mean."""
+    layer: dict[str, Any] = {"__renamed__": []}
+    objects: dict[str, Any] = {}
+    for given, value in values.items():
+        if given == AUTOCAST[0]:
+            key, value = AUTOCAST[1], _autocast_value(value, "")
+        else:
+            key = canonical(given)
+        if key != given:
+            layer["__renamed__"].append(given if given != AUTOCAST[0] else f"{given} -> {key}")
+        _check_known(key, value)
+        if isinstance(value, Path):
+            value = str(value)
+        if key in ROW_KEYS and value is not None and not isinstance(value, str):
+            objects[key] = value if hasattr(value, "label") else GivenRows(value, key)
+        elif key in OBJECT_KEYS and not _plain(value):
+            objects[key] = value
+        else:
+            if isinstance(OmegaConf.select(schema, key, throw_on_missing=False), DictConfig):
+                raise ConfigError(f"{key} is a section, not a value: set its keys ({key}.<key>)")
+            layer[key] = value
+    return layer, objects
+
+
+def _plain(value: Any) -> bool:
+    """Data the typed merge can hold: scalars, and lists and dicts of them."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return True
+    if isinstance(value, list | tuple):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+def _check_known(key: str, value: Any = NO_VALUE) -> None:
+    """A key no field declares is refused in one line, with the likeliest key it means."""
+    tp: Any = Config
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return  # below a free-form field: the merge decides
+        hints = typing.get_type_hints(tp)
+        if part not in hints:
+            raise ConfigError(unknown_key(key, value))
+        tp = hints[part]
+
+
+def unknown_key(key: str, value: Any = NO_VALUE) -> str:
+    """The one line for a key no field declares, with the did-you-mean the Python API's
+    GRPOConfig also gives (config.trl.suggest): a close key of its section, the full name of
+    a leaf (learning_rate -> optim.learning_rate), a misspelt one, a TRL name's key (bf16=true
+    -> runtime.precision=bf16)."""
+    section, _, name = key.rpartition(".")
+    if not section:
+        return f"unknown key {key}: {not_a_name(key, value=value)}"
+    node = _field_type(section)
+    valid = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key {key}: did you mean {section}.{close[0]}?"
+    elsewhere = suggest(name, value)
+    if elsewhere is not None and not elsewhere.why:
+        return f"unknown key {key}: did you mean {elsewhere.key}?"
+    return f"unknown key {key}; valid keys in {section}: {valid}"
 
 
 # --- What loading noted --------------------------------------------------------------------------
@@ -307,6 +393,12 @@ def _file_layer(path: Path) -> dict[str, Any]:
         if not isinstance(tree.get(section, {}), dict):
             raise ConfigError(f"{section} must be a mapping of keys, got {tree[section]!r}")
     layer = _renamed(flatten(tree), f"config file {str(path)!r}")
+    for key, value in layer.items():
+        if key != "__renamed__":
+            try:
+                _check_known(key, value)
+            except ConfigError as e:
+                raise ConfigError(f"config file {str(path)!r}: {e}") from None
     for key, value in layer.items():  # a YAML scalar where a list goes: say how to write it
         scalar = value is not None and not isinstance(value, list | dict)
         if key != "__renamed__" and scalar and _accepts(_field_type(key), list):
@@ -349,6 +441,7 @@ def _override(item: str, schema: DictConfig) -> tuple[str, str, Any]:
     if given == AUTOCAST[0]:
         return given, AUTOCAST[1], _autocast_value(raw.strip(), "")
     key = canonical(given)
+    _check_known(key, _yaml_or_text(raw))
     try:
         node = OmegaConf.select(schema, key, throw_on_missing=False)
     except OmegaConfBaseException:
@@ -366,6 +459,13 @@ def _override(item: str, schema: DictConfig) -> tuple[str, str, Any]:
         return given, key, yaml.safe_load(bare)
     except yaml.YAMLError:
         raise ConfigError(f"{key}={raw!r} is not a valid value") from None
+
+
+def _yaml_or_text(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
 
 
 def _field_type(key: str) -> Any:
@@ -426,15 +526,9 @@ def _literal(tree: Any) -> Any:
 
 
 def _describe(error: OmegaConfBaseException, schema: DictConfig | None = None) -> str:
-    """OmegaConf's error on one line, naming the key (and the valid keys of its section)."""
+    """OmegaConf's error on one line, naming the key (an unknown one with `unknown_key`)."""
     key = getattr(error, "full_key", None) or ""
     message = (getattr(error, "msg", None) or str(error)).strip().splitlines()[0]
     if isinstance(error, ConfigKeyError) and schema is not None and key:
-        section, _, name = key.rpartition(".")
-        node = OmegaConf.select(schema, section) if section else schema
-        valid = [str(k) for k in node] if isinstance(node, DictConfig) else []
-        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-        if close:
-            return f"unknown key {key}: did you mean {section + '.' if section else ''}{close[0]}?"
-        return f"unknown key {key}; valid keys in {section or 'config'}: {valid}"
+        return unknown_key(key)
     return f"{key}: {message}" if key else message

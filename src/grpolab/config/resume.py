@@ -11,14 +11,19 @@ from typing import Any
 
 import yaml
 
-from grpolab.config.load import AUTOCAST, canonical, flatten, load_config
-from grpolab.config.tree import Config, ConfigError
+from grpolab.config.load import AUTOCAST, OBJECT_KEYS, canonical, flatten, load_config
+from grpolab.config.tree import Config, ConfigError, get, with_values
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain data; a reward function given as a callable (the Python API) is
-    recorded by its qualified name, "module:qualname", the syntax rewards.functions reads, and
-    a reward model by its directory or hub id."""
+    recorded by its qualified name, "module:qualname", the syntax rewards.functions reads, a
+    reward model by its directory or hub id, rows and a loaded model given in Python by a line
+    saying so (their `record`: read back, it says they are not on disk)."""
+    if isinstance(cfg, Config):
+        recorded = {k: get(cfg, k).record() for k in OBJECT_KEYS
+                    if hasattr(get(cfg, k), "record")}  # fmt: skip
+        cfg = with_values(cfg, recorded)
     tree = dataclasses.asdict(cfg)
     rewards = tree.get("rewards")
     if isinstance(rewards, dict):

@@ -116,6 +116,12 @@ class EvalConfig:
     eval_examples: int = key(500, **_int_at_least(0), resume_free=True)
     # None = rollout.max_completion_length.
     eval_max_completion_length: int | None = key(None, resume_free=True)
+    # Sequences per generate call of an evaluation (TRL: per_device_eval_batch_size); None: a
+    # training step's batch (prompts_per_step x num_generations).
+    eval_batch_size: int | None = key(
+        None, check=lambda v: v is None or v >= 1, expected="an integer >= 1, or null",
+        resume_free=True,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,11 @@ class Config:
     def batch_size(self) -> int:
         return self.batch.size
 
+    @property
+    def eval_batch_size(self) -> int:
+        """Sequences per generate call of an evaluation."""
+        return self.eval.eval_batch_size or self.batch.size
+
 
 # The tree's sections (the fields holding a dataclass), in its order.
 SECTIONS = tuple(

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -161,6 +162,49 @@ def load_policy(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
+
+
+class GivenModel:
+    """A loaded causal LM and its tokenizer given as objects (the Python API's model=): what
+    model.name_or_path holds in their place. Trained as it is, in place; config.yaml records
+    it as one line (`record`), which a later load reads as not on disk."""
+
+    RECORDED = " given in Python, loaded from "
+    UNNAMED = object()
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 name: str | object | None = UNNAMED):  # fmt: skip
+        """`name`: the model.name_or_path grpolab loaded these from, unchanged (recorded as
+        that name); else they are the caller's own."""
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+
+    def record(self) -> str | None:
+        if self.name is not self.UNNAMED:
+            return self.name
+        source = getattr(self.model, "name_or_path", "") or "memory"
+        return f"({type(self.model).__name__}{self.RECORDED}{source})"
+
+    @classmethod
+    def is_record(cls, value: Any) -> bool:
+        """Whether `value` is config.yaml's line for a model given in Python, read back."""
+        return isinstance(value, str) and value.startswith("(") and cls.RECORDED in value
+
+    def load(self, dtype: str, device: str | torch.device):
+        """(model, tokenizer) as load_policy returns them: the same objects, the model moved
+        to `device` and `dtype` (in place, as torch's Module.to does), pad token set."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+        model, tokenizer = self.model.to(device=device, dtype=DTYPES[dtype]), self.tokenizer
+        check_vocabulary(tokenizer, model, self.record())
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return model.eval(), tokenizer
+
+    def __deepcopy__(self, memo: dict) -> GivenModel:
+        return self  # copies of a config share the model, as they share reward callables
+
+    def __repr__(self) -> str:
+        return f"GivenModel{self.record()}"
 
 
 def check_vocabulary(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, source: str):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from grpolab.tasks.answers import ANSWER_KINDS, check_answer_kind, infer_answer_kind
 from grpolab.tasks.arithmetic import load_arithmetic
-from grpolab.tasks.base import GENERATED_NUM_EVAL, Example, Task, TaskConfig
+from grpolab.tasks.base import GENERATED_NUM_EVAL, Example, GivenRows, Task, TaskConfig
 from grpolab.tasks.files import FILE_TASK_DEFAULTS, SAMPLE_GSM8K, load_file_task
 
 TASKS = ("arithmetic", *FILE_TASK_DEFAULTS)
@@ -61,6 +61,7 @@ __all__ = [
     "SAMPLE_GSM8K",
     "TASKS",
     "Example",
+    "GivenRows",
     "Task",
     "TaskConfig",
     "load_task",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +59,30 @@ class TaskConfig:
     # choice | math (grpolab.tasks.answers). None: number for arithmetic; a file task's is
     # inferred from its reference answers, and printed with the reason at start.
     answer_kind: str | None = None
+    # The rows themselves, given in Python (GivenRows: a list of dicts, read as a file's rows
+    # are) instead of task.path / task.eval_path; config.yaml records them as a line
+    # (GivenRows.record), which names them as not on disk when read back.
+    rows: Any = None
+    eval_rows: Any = None
+
+
+class GivenRows(list):
+    """Rows a Python caller gave (dicts), and the argument that gave them (`label`, which
+    errors name: "train_dataset row 3: ...")."""
+
+    def __init__(self, rows: Any, label: str):
+        super().__init__(rows)
+        self.label = label
+
+    def record(self) -> str:
+        """What config.yaml says of them: how many, who gave them and a digest (a resume with
+        other rows is a change of task)."""
+        text = json.dumps(self, sort_keys=True, default=str)
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        return f"({len(self)} rows given in Python as {self.label}, sha256 {digest})"
+
+    def __repr__(self) -> str:  # a message naming the key shows the line, not every row
+        return f"GivenRows{self.record()}"
 
 
 @dataclass

@@ -32,31 +32,28 @@ _GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
 
 def load_file_task(cfg: TaskConfig) -> Task:
     prompt_field, answer_field, template = _fields(cfg)
-    if not cfg.path:
-        raise ValueError(
-            f"task.name={cfg.name!r} needs task.path (a .jsonl/.parquet file or a dataset id)"
-        )
-    rows = _read_rows(cfg.path, cfg.subset, cfg.split)
+    held_out = _eval_rows(cfg)
+    if isinstance(cfg.rows, str) and not cfg.path and held_out is not None:
+        return _held_out_only(cfg, held_out, prompt_field, answer_field, template)
+    rows, source = _train_rows(cfg)
     answer_field = _reference_field(cfg, rows, answer_field)
-    examples = _examples(cfg, rows, prompt_field, answer_field, template)
+    examples = _examples(cfg, rows, prompt_field, answer_field, template, source)
     if not examples:
-        raise ValueError(f"task.path={cfg.path!r} holds no rows")
+        raise ValueError(f"{source} holds no rows")
     if answer_field is None:  # nothing to hold out: an evaluation needs references
         task = Task(name=cfg.name, train=examples[: cfg.num_train or None], eval=[], config=cfg)
         task.has_references = False
         task.split_reason = (
-            f"no row of {cfg.path} has an 'answer' or 'solution' field: no reference answers, "
+            f"no row of {source} has an 'answer' or 'solution' field: no reference answers, "
             "so nothing is held out and the rewards alone judge the completions"
         )
         return task
-    if cfg.eval_path or cfg.eval_split:
-        eval_rows = _read_rows(cfg.eval_path or cfg.path, cfg.subset, cfg.eval_split or cfg.split)
-        eval_examples = _examples(cfg, eval_rows, prompt_field, answer_field, template)
+    if held_out is not None:
+        eval_rows, why = held_out
+        eval_examples = _examples(cfg, eval_rows, prompt_field, answer_field, template, why)
         eval_examples = eval_examples[: cfg.num_eval or None]
         train = examples
-        why = f"from {cfg.eval_path or cfg.path}" + (
-            f"[{cfg.eval_split}]" if cfg.eval_split else ""
-        )
+        why = f"from {why}"
     else:
         # The rows held out (`_hold_out`) are chosen by task.seed.
         order = list(range(len(examples)))
@@ -71,6 +68,69 @@ def load_file_task(cfg: TaskConfig) -> Task:
     task = Task(name=cfg.name, train=train, eval=eval_examples, config=cfg)
     task.split_reason = why
     return task
+
+
+Rows = list[tuple[str, dict[str, Any]]]  # [(where, row)]: where names the row in errors
+
+
+def _held_out_only(cfg: TaskConfig, held_out: tuple[Rows, str], prompt_field: str,
+                   answer_field: str, template: str) -> Task:  # fmt: skip
+    """The held-out rows alone, when the training rows were given in Python (config.yaml
+    records them as a line) and the held-out ones are given apart: what `grpolab eval` of
+    such a run reads. No training row: a training run of it says so."""
+    rows, why = held_out
+    answer_field = _reference_field(cfg, rows, answer_field)
+    examples = _examples(cfg, rows, prompt_field, answer_field, template, why)
+    task = Task(name=cfg.name, train=[], eval=examples[: cfg.num_eval or None], config=cfg)
+    task.has_references = answer_field is not None
+    task.split_reason = f"from {why}; the training rows, task.rows={cfg.rows}, are not on disk"
+    return task
+
+
+def _train_rows(cfg: TaskConfig) -> tuple[Rows, str]:
+    """(the training rows, what they are called): rows given in Python (task.rows), else
+    task.path's. A record of rows given in Python (config.yaml's line for them) yields to a
+    task.path given with it, and is refused alone: those rows are not on disk."""
+    given = _given(cfg.rows, "task.rows", cfg.path, "task.path")
+    if given is not None:
+        return given
+    if not cfg.path:
+        raise ValueError(
+            f"task.name={cfg.name!r} needs task.path (a .jsonl/.parquet file or a dataset id)"
+        )
+    return _read_rows(cfg.path, cfg.subset, cfg.split), f"task.path={cfg.path!r}"
+
+
+def _eval_rows(cfg: TaskConfig) -> tuple[Rows, str] | None:
+    """(the held-out rows, what they are called) when given apart: task.eval_rows,
+    task.eval_path or task.eval_split; None: they are held out of the training rows."""
+    given = _given(cfg.eval_rows, "task.eval_rows", cfg.eval_path, "task.eval_path")
+    if given is not None:
+        return given
+    if not (cfg.eval_path or cfg.eval_split):
+        return None
+    path = cfg.eval_path or cfg.path
+    if path is None:  # training rows given in Python, a split of nothing
+        raise ValueError(f"task.eval_split={cfg.eval_split!r} needs task.path (a dataset id)")
+    rows = _read_rows(path, cfg.subset, cfg.eval_split or cfg.split)
+    return rows, path + (f"[{cfg.eval_split}]" if cfg.eval_split else "")
+
+
+def _given(rows: Any, key: str, path: str | None, path_key: str) -> tuple[Rows, str] | None:
+    """Rows given in Python as (where, row) pairs and their name; None when none are (or a
+    record of them yields to `path`)."""
+    if rows is None or (isinstance(rows, str) and path):
+        return None
+    if isinstance(rows, str):
+        raise ValueError(
+            f"{key}: {rows}: those rows are not on disk; give them as a file ({path_key}=FILE) "
+            "or run from Python with them"
+        )
+    if path:
+        raise ValueError(f"{key} and {path_key}={path!r} both give rows: give one of them")
+    label = getattr(rows, "label", key)
+    return [(f"{label} row {i + 1}", _as_row(r, f"{label} row {i + 1}", "a dict"))
+            for i, r in enumerate(rows)], label  # fmt: skip
 
 
 def _hold_out(cfg: TaskConfig, rows: int) -> tuple[int, str]:
@@ -116,7 +176,7 @@ PROMPT_COLUMNS = ("prompt", "question", "problem", "input", "instruction", "quer
 ANSWER_COLUMNS = ("answer", "solution", "output", "target", "label", "response", "completion")
 
 
-def _check_columns(cfg, rows, prompt_field: str, answer_field: str | None) -> None:
+def _check_columns(rows, prompt_field: str, answer_field: str | None, source: str) -> None:
     """A column no row has is one mistake, said once: which key names it, and the column of
     the file that probably holds it."""
     present = {name for _, row in rows for name in row}
@@ -127,15 +187,18 @@ def _check_columns(cfg, rows, prompt_field: str, answer_field: str | None) -> No
         guess = next((c for c in likely if c in present), None)
         fix = f"{key}={guess}" if guess else f"{key}=<the column that holds them>"
         raise ValueError(
-            f"{cfg.path}: no row has a field {field!r} (its fields: "
+            f"{source}: no row has a field {field!r} (its fields: "
             f"{', '.join(sorted(map(str, present)))}); name the column with {fix}"
         )
 
 
-def _examples(cfg, rows, prompt_field: str, answer_field: str, template: str) -> list[Example]:
+def _examples(
+    cfg, rows, prompt_field: str, answer_field: str, template: str, source: str
+) -> list[Example]:
     """Every row's Example; the bad rows are all reported together (the first BAD_ROWS_SHOWN
-    named), so a file is fixed in one pass, not one error per run."""
-    _check_columns(cfg, rows, prompt_field, answer_field)
+    named), so a file is fixed in one pass, not one error per run. `source`: what the rows
+    are called."""
+    _check_columns(rows, prompt_field, answer_field, source)
     examples, bad = [], []
     for where, row in rows:
         try:
@@ -265,9 +328,9 @@ def _is_json_lines(file: Path) -> bool:
     return head == "{"
 
 
-def _as_row(row: Any, where: str) -> dict[str, Any]:
+def _as_row(row: Any, where: str, kind: str = "a JSON object") -> dict[str, Any]:
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        raise ValueError(f"{where}: expected {kind}, got {type(row).__name__}")
     return row
 
 

@@ -8,13 +8,21 @@ gamed. Both judge the task's answer kind (Task.answer_kind: number, string, choi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from grpolab.rewards import RewardResult, Rewards, RewardsConfig, load_rewards, score
+from grpolab.rewards import (
+    RewardResult,
+    Rewards,
+    RewardsConfig,
+    flat_groups,
+    load_rewards,
+    score,
+)
 from grpolab.rollout.base import SamplingParams
 from grpolab.tasks.base import Example
 from grpolab.tasks.strict import strict_equal
@@ -108,6 +116,54 @@ def evaluate_accuracy(
 ) -> float:
     """Greedy accuracy in percent on `examples` (the reward-based one)."""
     return evaluate_greedy(engine, examples, rewards, max_completion_length, batch_size).accuracy
+
+
+def evaluate_rewards(
+    engine,
+    examples: Sequence[Example],
+    rewards: Rewards,
+    num_generations: int,
+    params: SamplingParams,
+    batch_size: int,
+) -> dict[str, float]:
+    """The training rewards of `num_generations` samples per prompt (`params`: the training
+    sampling, its seed moved on per batch), in batches of at most `batch_size` sequences;
+    the step's reward metrics (reward/mean|std, rewards/<name>/mean|std, reward_errors/<name>,
+    frac_reward_zero_std, completion_length/mean|min|max, truncated_frac) over all of them."""
+    G = num_generations
+    per = max(1, batch_size // G)
+    parts: dict[str, list[torch.Tensor]] = {}
+    errors: dict[str, int] = {}
+    for s in range(0, len(examples), per):
+        chunk = list(examples[s : s + per])
+        sampling = dataclasses.replace(params, seed=params.seed + s)
+        rollout = engine.generate([e.prompt for e in chunk], G, sampling)
+        result = score(rollout, chunk, rewards)
+        named = {"total": result.total, "truncated": rollout.truncated.float().cpu(),
+                 "length": rollout.completion_mask.sum(dim=1).float().cpu(),
+                 **{f"fn:{k}": v for k, v in result.per_function.items()}}  # fmt: skip
+        for key, values in named.items():
+            parts.setdefault(key, []).append(values)
+        for name, n in result.errors.items():
+            errors[name] = errors.get(name, 0) + n
+    every = {k: torch.cat(v) for k, v in parts.items()}
+    total, length = every.pop("total"), every.pop("length")
+    metrics = {
+        "reward/mean": total.mean().item(),
+        "reward/std": total.std(unbiased=False).item(),
+        "frac_reward_zero_std": flat_groups(total, G).float().mean().item(),
+        "completion_length/mean": length.mean().item(),
+        "completion_length/min": length.min().item(),
+        "completion_length/max": length.max().item(),
+        "truncated_frac": every.pop("truncated").mean().item(),
+    }
+    for key, values in every.items():
+        valid = values[~values.isnan()]
+        name = key.removeprefix("fn:")
+        metrics[f"rewards/{name}/mean"] = valid.mean().item() if valid.numel() else math.nan
+        metrics[f"rewards/{name}/std"] = valid.std(unbiased=False).item() if valid.numel() else 0.0
+        metrics[f"reward_errors/{name}"] = float(errors.get(name, 0))
+    return metrics
 
 
 def pass_at_k_estimate(n: int, c: int, k: int) -> float:

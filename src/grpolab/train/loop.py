@@ -16,6 +16,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,9 +68,9 @@ from grpolab.train.setup import (
     check_context_fits,
     load_inputs,
     load_start_model,
-    model_source,
     old_logprobs_from_loss_forward,
     resolve_device,
+    start_model_source,
     task_engine,
 )
 from grpolab.train.step import StepBatch, grpo_step
@@ -108,9 +109,19 @@ class Session:
     # What the start writes into the run directory (name -> text), held until `commit`: a
     # start that fails or is interrupted leaves the directory as it was.
     staged: dict[str, str] = field(default_factory=dict)
+    # Called as listener(event, session, data) at "train_begin", "step" (step, metrics),
+    # "save" (step, path) and "train_end" (summary); one that sets `stop` (on any rank) ends
+    # the run after the step, finished as at max_steps (the last checkpoint, the evaluation,
+    # the summary).
+    listeners: list[Callable[[str, Session, dict], None]] = field(default_factory=list)
+    stop: bool = False
 
     def wall_seconds(self) -> float:
         return self.progress.get("wall_seconds", 0.0) + time.time() - self.wall_start
+
+    def emit(self, event: str, **data: Any) -> None:
+        for listener in self.listeners:
+            listener(event, self, data)
 
 
 @dataclass
@@ -131,6 +142,7 @@ def train(
     skip_preflight: bool = False,
     allow_config_change: bool = False,
     recheck: bool = False,
+    listeners: Sequence[Callable[[str, Session, dict], None]] = (),
 ) -> dict[str, Any]:
     """Run GRPO as configured; returns the summary (also written to summary.json).
 
@@ -140,11 +152,13 @@ def train(
     resume whose config changes what is trained is refused unless `allow_config_change`.
     `functions`: the core functions to train with (a user's, `--impl`); default grpolab's,
     as configured. Nothing is written into the run directory before the first step
-    (`commit`): a start that fails or is interrupted (Interrupted) leaves it as it was."""
+    (`commit`): a start that fails or is interrupted (Interrupted) leaves it as it was.
+    `listeners`: called at the loop's events (Session.listeners)."""
     stage = Stage()
     try:
         try:
             session = start(cfg, resume, overwrite, functions, console, allow_config_change, stage)
+            session.listeners = list(listeners)
             gate(session, skip_preflight, stage, recheck)
         except KeyboardInterrupt:
             raise Interrupted(
@@ -201,7 +215,7 @@ def start(
     stage.doing = "reading the task and the rewards"
     inputs = load_inputs(cfg)  # everything knowable before the model, in the first seconds
     check_trackers(cfg.logging.report_to)
-    source = model_source(cfg)
+    source = start_model_source(cfg)
     stage.doing = "loading the model"
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_start_model(cfg, device, source)
@@ -353,6 +367,7 @@ def steps(session: Session) -> None:
         StopRequests(bar.console) as stop,
     ):
         bar_task = bar.add_task("grpo", total=cfg.max_steps, completed=session.start_step, info="")
+        session.emit("train_begin")
         for step in range(session.start_step + 1, cfg.max_steps + 1):
             try:
                 metrics, batch = grpo_step(run, step)
@@ -366,6 +381,7 @@ def steps(session: Session) -> None:
             warnings = watch(session, step, metrics, batch, bar.console)
             failing = count_reward_failures(session, batch)
             record(session, step, metrics, batch)
+            session.emit("step", step=step, metrics=metrics)
             bar.update(bar_task, completed=step, info=f"reward {metrics['reward/mean']:.3f}")
             first = step == session.start_step + 1
             if first or step % cfg.logging.logging_steps == 0 or metrics["skipped"] or failing:
@@ -380,9 +396,12 @@ def steps(session: Session) -> None:
                     f"stopped after step {step} ({stop.signal_name}); checkpoint {path}; "
                     f"continue with {continue_command(session.run_dir)}"
                 )
+            session.stop = dist_module.any_rank(session.stop, run.dist)  # every rank stops
             every = cfg.checkpoints.save_steps
-            if every and step % every == 0 and step < cfg.max_steps:
+            if every and step % every == 0 and step < cfg.max_steps and not session.stop:
                 save(session, step)
+            if session.stop:
+                break
 
 
 # A loss this close to 0 on the first step is GRPO's own: on-policy the ratio is 1, and the
@@ -482,7 +501,9 @@ def stop_if_unhealthy(session: Session, step: int, warnings: list[str], batch: S
 def save(session: Session, step: int) -> Path:
     progress = session.progress | {"wall_seconds": session.wall_seconds()}
     progress.setdefault("config_changes", [])
-    return save_run(session.run, session.run_dir, step, progress)
+    path = save_run(session.run, session.run_dir, step, progress)
+    session.emit("save", step=step, path=path)
+    return path
 
 
 def held_out_accuracy(session: Session, label: str) -> tuple[float | None, float | None]:
@@ -501,7 +522,7 @@ def held_out_accuracy(session: Session, label: str) -> tuple[float | None, float
         examples,
         run.accuracy,
         length,
-        run.cfg.batch_size,
+        run.cfg.eval_batch_size,
         run.task.answer_kind,
         on_batch=progress,
     )
@@ -542,7 +563,7 @@ def finish(session: Session) -> dict[str, Any]:
     """The last checkpoint, the held-out accuracy after training, summary.json."""
     run, cfg, console = session.run, session.run.cfg, session.console
     trained = cfg.max_steps > session.start_step or session.resume_dir is None
-    checkpoint = save(session, cfg.max_steps) if trained else session.resume_dir
+    checkpoint = save(session, session.step) if trained else session.resume_dir
     before = session.progress.get("accuracy_before")
     strict_before = session.progress.get("strict_accuracy_before")
     try:
@@ -584,6 +605,7 @@ def finish(session: Session) -> dict[str, Any]:
             f"no held-out accuracy ({escape(no_evaluation_reason(run))}); run directory "
             f"{session.log_dir}"
         )
+    session.emit("train_end", summary=summary)
     return summary
 
 
@@ -690,7 +712,7 @@ def run_eval(
     length = cfg.eval.eval_max_completion_length or cfg.rollout.max_completion_length
     progress = EvalProgress(console, "accuracy (greedy)", len(held_out))
     greedy = evaluate_greedy(
-        engine, held_out, accuracy, length, cfg.batch_size, task.answer_kind, progress
+        engine, held_out, accuracy, length, cfg.eval_batch_size, task.answer_kind, progress
     )
     result = {"accuracy": greedy.accuracy, "strict_accuracy": greedy.strict_accuracy}
     console.print(

@@ -46,9 +46,9 @@ from grpolab.train.setup import (
     build_run,
     load_inputs,
     load_start_model,
-    model_source,
     resolve_device,
     run_precision,
+    start_model_source,
 )
 from grpolab.ways import way
 
@@ -164,7 +164,7 @@ def preflight(
         torch.set_num_threads(cfg.runtime.num_threads)
     progress = PreflightProgress(console)
     inputs = load_inputs(cfg)  # the task and rewards first: their mistakes in seconds
-    source = model_source(cfg)
+    source = start_model_source(cfg)
     progress("loading the model")
     torch.manual_seed(cfg.seed)  # as training does: the same LoRA adapters, the same model
     model, tokenizer = load_start_model(cfg, resolve_device(cfg.model.device), source)

@@ -25,6 +25,7 @@ from grpolab.model.dist import Dist
 from grpolab.model.lora import wrap_lora
 from grpolab.model.policy import (
     PACKAGED_MODELS,
+    GivenModel,
     check_hub_model,
     load_policy,
     resolve_model_source,
@@ -139,6 +140,13 @@ def model_source(cfg: Config) -> str:
     local directory or hub id, or the Hugging Face directory a GGUF file or a packaged
     model's short name is converted to (once, into model.cache_dir)."""
     m = cfg.model
+    if isinstance(m.name_or_path, GivenModel):
+        raise ValueError("model.name_or_path holds a model given in Python: it has no source")
+    if GivenModel.is_record(m.name_or_path):
+        raise FileNotFoundError(
+            f"model.name_or_path={m.name_or_path}: that model is not on disk; give "
+            "model.name_or_path=<a directory, hub id or checkpoint>, or run from Python with it"
+        )
     if m.name_or_path is None:
         if not (DEMO_MODEL_DIR / "config.json").is_file():
             raise FileNotFoundError(
@@ -167,9 +175,17 @@ def known_model_names() -> list[str]:
 
 
 def load_start_model(cfg: Config, device: torch.device, source: str | None = None):
-    """The model training starts from, and its tokenizer (`source`: what `model_source`
-    already resolved, else resolved here)."""
+    """The model training starts from, and its tokenizer: the objects given in Python
+    (GivenModel), else loaded from `source` (what `model_source` already resolved, else
+    resolved here)."""
+    if isinstance(cfg.model.name_or_path, GivenModel):
+        return cfg.model.name_or_path.load(cfg.model.dtype, device)
     return load_policy(source or model_source(cfg), dtype=cfg.model.dtype, device=device)
+
+
+def start_model_source(cfg: Config) -> str | None:
+    """`model_source`, checked before the model loads; None for a model given in Python."""
+    return None if isinstance(cfg.model.name_or_path, GivenModel) else model_source(cfg)
 
 
 # --- What a run reads besides the model, checked before it loads ------------------------------
