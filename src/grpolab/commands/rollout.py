@@ -54,16 +54,19 @@ def run_rollout(
     config: str | None, overrides: list[str], n_prompts: int, console: Console
 ) -> dict[str, Any]:
     from grpolab import seeds
-    from grpolab.config import load_config
+    from grpolab.config import load_config, load_warnings
     from grpolab.rewards import load_rewards, score
     from grpolab.tasks import load_task
     from grpolab.train.setup import load_start_model, model_source, resolve_device, task_engine
 
     cfg = load_config(config, overrides)
+    for warning in load_warnings(cfg):  # keys given that change nothing: said, as train does
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
     G = cfg.batch.num_generations
     if n_prompts < 1:
         raise ValueError(f"--n-prompts={n_prompts}: expected an integer >= 1")
     task = load_task(cfg.task)
+    console.print(task.describe_split())
     console.print(task.describe_answers())
     rewards = load_rewards(
         cfg.rewards, task=task, max_completion_length=cfg.rollout.max_completion_length

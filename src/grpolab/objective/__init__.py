@@ -164,7 +164,14 @@ class Objective(ObjectiveKeys):
             if unknown:
                 raise ValueError(f"unknown objective keys {unknown}; valid keys: {names}")
             return cls(**config)
-        return cls(**{n: getattr(config, n) for n in names if hasattr(config, n)})
+        given = {n: getattr(config, n) for n in names if hasattr(config, n)}
+        if not given:  # a whole config, say: its defaults would stand in for its objective
+            raise TypeError(
+                f"Objective.of({type(config).__name__}): none of the objective's fields is "
+                "there; pass an Objective (config.objective_of(cfg) for a run's config) or its "
+                "fields"
+            )
+        return cls(**given)
 
     def loss_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `grpo_loss` (after the tensors) this objective sets: the
