@@ -153,6 +153,7 @@ def run_piped(ws: Path, commands: str, *args: str, **env: str) -> subprocess.Com
     )
 
 
+@pytest.mark.slow
 def test_piped_session_in_chinese_remembers_hints(tmp_path):
     ws = tmp_path / "ws"
     assert main(["drill", "init", str(ws)]) == 0
@@ -178,6 +179,7 @@ def test_piped_session_in_chinese_remembers_hints(tmp_path):
     assert "hint 3/3 for goal 2" in out.stdout and "no goal 9" in out.stdout
 
 
+@pytest.mark.slow
 def test_drill_check_exit_codes_and_json(tmp_path):
     ws = tmp_path / "ws"
     cmd = [sys.executable, "-m", "grpolab", "drill", "check", str(ws), "--json"]
@@ -199,6 +201,7 @@ def test_drill_check_exit_codes_and_json(tmp_path):
     assert json.loads((ws / ".drill.json").read_text())["passed_ever"] == list(range(1, 8))
 
 
+@pytest.mark.slow
 def test_train_impl_reports_a_broken_file(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("def kl_k3(a, b)\n    return a\n")
@@ -310,6 +313,7 @@ class Drill:
         return (out + self.child.before).replace("\r\n", "\n")
 
 
+@pytest.mark.slow
 def test_the_interactive_session(tmp_path):
     ws = tmp_path / "ws"
     assert main(["drill", "init", str(ws)]) == 0

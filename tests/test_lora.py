@@ -141,6 +141,7 @@ def test_lora_under_fsdp_is_refused_and_allowed_under_ddp(tmp_path):
     validate_world(lora_config(tmp_path, "lora.r=0", "parallel.strategy=fsdp"), 2)
 
 
+@pytest.mark.slow
 def test_vllm_rollouts_sample_the_merged_policy(tmp_path):
     """The engine gets W + scaling * B @ A for every adapted layer, checked by the canary after
     every sync; a sync that forgets the adapters is caught by that check."""

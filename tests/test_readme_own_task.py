@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -17,6 +19,7 @@ def snippets(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", section, re.DOTALL)
 
 
+@pytest.mark.slow
 def test_the_python_snippet_trains(tmp_path):
     (code,) = snippets("python")
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
@@ -29,6 +32,7 @@ def test_the_python_snippet_trains(tmp_path):
     assert re.fullmatch(r"[\d.]+ -> [\d.]+", done.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_cli_snippet_trains(tmp_path):
     (script,) = snippets("bash")
     script = script.replace(".venv/bin/grpolab", f"{sys.executable} -m grpolab")

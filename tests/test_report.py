@@ -129,6 +129,7 @@ def near(image: np.ndarray, colour: str, distance: int = 40) -> np.ndarray:
     return np.abs(image - rgb).max(axis=-1) <= distance
 
 
+@pytest.mark.slow
 def test_report_html_is_self_contained_and_chromium_draws_its_curves(demo_run, tmp_path):
     write_report(demo_run)
     html = (demo_run / "report.html").read_text()

@@ -149,10 +149,10 @@ def test_demo_end_to_end_through_the_cli(tmp_path, capsys):
 
 def test_refuses_an_output_dir_holding_another_run(tmp_path):
     cfg = small_config(tmp_path, "max_steps=1", "eval.eval_examples=0")
-    train(cfg)
+    train(cfg, skip_preflight=True)  # the run directory is the point here
     with pytest.raises(FileExistsError, match="holds another run"):
-        train(cfg)
-    summary = train(cfg, overwrite=True)
+        train(cfg, skip_preflight=True)
+    summary = train(cfg, overwrite=True, skip_preflight=True)
     assert summary["steps"] == 1
 
 
