@@ -5,6 +5,7 @@ bit, and `grpolab rollout --json` shows the turns."""
 import json
 from pathlib import Path
 
+import pytest
 from finished_runs import assert_resumed_is_straight, metric_rows
 
 from grpolab.checks.episodes import EPISODE_IDS
@@ -29,6 +30,7 @@ def config(tmp_path, *extra: str, name: str):
     return load_config(str(EXAMPLE), [f"output_dir={tmp_path / name}", *SMALL, *extra])
 
 
+@pytest.mark.slow  # three training runs and a preflight
 def test_a_multi_turn_run_resumed_in_the_middle_is_the_straight_run(tmp_path):
     train(config(tmp_path, "max_steps=3", name="straight"))
     preflight = json.loads((tmp_path / "straight" / "preflight.json").read_text())
