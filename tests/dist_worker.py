@@ -163,7 +163,8 @@ def vllm_main(mode: str, out: Path) -> None:
         if d.main:
             torch.save(results, out / "split.pt")
     else:
-        train(load_config(None, vllm_overrides(out / "lora", "ddp", "lora.r=4")))
+        cfg = load_config(None, vllm_overrides(out / "lora", "ddp", "lora.r=4"))
+        train(cfg, skip_preflight=True)  # the engines' sync is the point here
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ import torch
 
 from grpolab.model.policy import load_policy
 from grpolab.train.checkpoint import latest_checkpoint
+from grpolab.train.loop import train
 
 TIME_KEYS = ("time/", "tokens_per_s")  # wall-clock metrics: never equal between two runs
 
@@ -26,3 +27,15 @@ def assert_same_run(a: Path, b: Path, steps: int) -> None:
         assert torch.equal(pa, pb), name
     rows_a, rows_b = metric_rows(a), metric_rows(b)
     assert rows_a == rows_b and len(rows_b) == steps
+
+
+def assert_resumed_is_straight(make_config, tmp_path: Path, *extra: str, stop_at: int, steps: int):
+    """A run stopped after step `stop_at` and resumed from its checkpoint ends as the straight
+    run in tmp_path / "straight" (the same config, `steps` steps) ended, bit for bit.
+    make_config(tmp_path, *overrides, name=...) builds the config of a run in tmp_path / name.
+    No preflight: it samples with its own generators, so the run is the same without it."""
+    stopped = make_config(tmp_path, *extra, f"max_steps={stop_at}", name="resumed")
+    train(stopped, skip_preflight=True)
+    resumed = make_config(tmp_path, *extra, f"max_steps={steps}", name="resumed")
+    train(resumed, resume=True, skip_preflight=True)
+    assert_same_run(tmp_path / "straight", tmp_path / "resumed", steps=steps)

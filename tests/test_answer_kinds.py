@@ -62,7 +62,8 @@ def memorised(kind: str, steps: int) -> tuple[torch.nn.Module, object, list[Exam
     return model.eval(), tokenizer, taught
 
 
-@pytest.fixture(scope="module", params=sorted(TASKS))
+# The option letters' SFT runs on long prompts: tens of seconds, the slow lane's.
+@pytest.fixture(scope="module", params=[pytest.param("choice", marks=pytest.mark.slow), "string"])
 def learned(request):
     kind = request.param
     model, tokenizer, taught = memorised(kind, SFT_STEPS[kind])

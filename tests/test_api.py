@@ -103,6 +103,7 @@ def test_trl_reward_call_runs_the_real_trainer_and_records_the_function(tmp_path
     assert task["eval_rows"].startswith("(8 rows given in Python as eval_dataset, sha256 ")
 
 
+@pytest.mark.slow
 def test_the_example_script_runs_as_written(tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "python_api.py"), "--steps", "1",

@@ -58,10 +58,11 @@ def tiny():
 
 
 @pytest.fixture
-def loaded():
-    """The demo model loaded as a user loads one, then changed in memory (so that only the
-    object, not the directory it came from, has these weights), and its tokenizer."""
-    model, tokenizer = load_policy(str(DEMO_MODEL_DIR))
+def loaded(demo_model, demo_tokenizer):
+    """The demo model as a user loads one (this test's own copy), then changed in memory (so
+    that only the object, not the directory it came from, has these weights), and its
+    tokenizer."""
+    model, tokenizer = demo_model, demo_tokenizer
     with torch.no_grad():
         model.model.norm.weight.mul_(1.01)
     return model, tokenizer
@@ -149,7 +150,7 @@ def test_a_model_object_grpolab_cannot_train_is_refused_naming_it(tiny):
 # --- processing_class with a named model ------------------------------------------------------
 
 
-def test_processing_class_replaces_a_named_models_tokenizer(tmp_path):
+def test_processing_class_replaces_a_named_models_tokenizer(tmp_path, demo_policy):
     tokenizer = load_tokenizer(str(DEMO_MODEL_DIR))
     tokenizer.model_max_length = 333  # what tells the given tokenizer from the model's own
     trainer = GRPOTrainer(model="demo", processing_class=tokenizer, reward_funcs=exact,
@@ -158,7 +159,7 @@ def test_processing_class_replaces_a_named_models_tokenizer(tmp_path):
     assert given(trainer).tokenizer is tokenizer
     demo, _ = load_policy(str(DEMO_MODEL_DIR))
     assert_same_weights(demo.state_dict(), given(trainer).model)
-    assert trainer.train(overwrite=True)["steps"] == 1
+    assert trainer.train(overwrite=True, skip_preflight=True)["steps"] == 1
 
 
 def test_a_processors_tokenizer_is_used(tiny):
@@ -195,7 +196,7 @@ def test_a_lora_config_becomes_grpolabs_lora_keys_and_trains_adapters(tmp_path, 
     trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert {n.split(".")[-4] for n in trainable} == {"q_proj", "v_proj"}
-    assert trainer.train(overwrite=True)["steps"] == 1
+    assert trainer.train(overwrite=True, skip_preflight=True)["steps"] == 1
     adapter = out / "checkpoint-1" / "adapter"
     saved = json.loads((adapter / "adapter_config.json").read_text())
     assert (saved["r"], saved["lora_alpha"], set(saved["target_modules"])) == (
@@ -216,15 +217,16 @@ def test_a_lora_config_becomes_grpolabs_lora_keys_and_trains_adapters(tmp_path, 
          ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"]),
     ],
 )  # fmt: skip
-def test_target_modules_become_the_module_names_peft_would_adapt(target_modules, expected):
+def test_target_modules_become_the_module_names_peft_would_adapt(
+    target_modules, expected, demo_policy
+):
     trainer = GRPOTrainer(model="demo", peft_config=LoraConfig(r=2, target_modules=target_modules))
     names = trainer.config.lora.target_modules
     assert names == expected
     # the same modules as peft itself picks with the LoraConfig as given
-    demo, _ = load_policy(str(DEMO_MODEL_DIR))
-    by_peft = get_peft_model(demo, LoraConfig(r=2, target_modules=target_modules))
-    demo, _ = load_policy(str(DEMO_MODEL_DIR))
-    by_grpolab = get_peft_model(demo, LoraConfig(r=2, target_modules=names))
+    demo = demo_policy[0]  # peft adapts a model in place: each gets a copy
+    by_peft = get_peft_model(copy.deepcopy(demo), LoraConfig(r=2, target_modules=target_modules))
+    by_grpolab = get_peft_model(copy.deepcopy(demo), LoraConfig(r=2, target_modules=names))
     assert set(by_peft.targeted_module_names) == set(by_grpolab.targeted_module_names)
 
 

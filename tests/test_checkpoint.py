@@ -56,6 +56,7 @@ def assert_consistent(path) -> int:
     return k
 
 
+@pytest.mark.slow
 def test_kill_during_save_leaves_a_loadable_checkpoint(tmp_path):
     rng = random.Random(0)
     out = tmp_path / "run"

@@ -1,5 +1,8 @@
-"""The preflight checks on a tiny real model and a real rollout: the correct core passes every
-check, each known silent bug (tests/mutants/*.py) fails the check named for it."""
+"""The preflight checks on a tiny real model and a real rollout (the session's scored batch,
+tests/conftest.py): the correct core passes every check, each known silent bug
+(tests/mutants/*.py) is blamed on the check named for it first. That each mutant fails its
+named check and that every check runs on grpolab's own code under each declared objective is
+tests/test_check_coverage.py's."""
 
 import json
 from pathlib import Path
@@ -11,16 +14,9 @@ from grpolab import core
 from grpolab.check import GOALS
 from grpolab.checks import registry
 from grpolab.checks.context import PreflightBatch, PreflightSettings
-from grpolab.checks.rewards import check_reward_probes
 from grpolab.checks.runner import blamed, goal_status, run_checks
 from grpolab.functions import ImplLoadError, load_impl
-from grpolab.model.policy import build_char_tokenizer, build_tiny_model
 from grpolab.objective.profiles import profile_objective
-from grpolab.rewards import load_rewards
-from grpolab.rewards.probes import probe_rows, run_probes
-from grpolab.rollout.base import SamplingParams
-from grpolab.rollout.hf import HFEngine
-from grpolab.tasks import load_task
 
 MUTANTS = Path(__file__).parent / "mutants"
 
@@ -33,8 +29,6 @@ CAUGHT_BY = {
     m: c for m, (c, o) in DECLARED_MUTANTS.items() if not o and registry.BY_ID[c].stage == "batch"
     and not registry.BY_ID[c].declared_only
 }  # fmt: skip
-# reward mutants (their function has the file's only public name) -> the probe
-REWARD_CAUGHT_BY = {m: c for m, (c, _) in DECLARED_MUTANTS.items() if c.startswith("rewards.")}
 # the menu's and the conventions' mutants: (the check, the objective declaring the option)
 MENU_CAUGHT_BY = {
     m: (c, o) for m, (c, o) in DECLARED_MUTANTS.items()
@@ -66,25 +60,6 @@ DECLARED = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_and_batch():
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, seed=0)
-    engine = HFEngine(model, tokenizer)
-    prompts = ["37+48=", "5+5=", "12+30=", "99+1="]
-    rollout = engine.generate(prompts, 4, SamplingParams(max_completion_length=8, seed=0))
-    rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1, 0, 0.5, 0, 0, 0, 0, 0, 0])
-    batch = PreflightBatch(
-        rollout.input_ids,
-        rollout.attention_mask,
-        rollout.completion_mask,
-        rewards,
-        4,
-        rollout.engine_logprobs,
-    )
-    return model, batch
-
-
 def by_id(results):
     return {r.id: r for r in results}
 
@@ -105,65 +80,8 @@ def test_the_core_passes_every_check(model_and_batch):
     json.dumps([r.to_json() for r in results])
 
 
-@pytest.mark.parametrize("mutant", sorted(CAUGHT_BY))
-def test_each_mutant_fails_its_named_check(model_and_batch, mutant):
-    model, batch = model_and_batch
-    impl = load_impl(MUTANTS / f"{mutant}.py")
-    results = by_id(run_checks(model, batch, impl=impl))
-    named = results[CAUGHT_BY[mutant]]
-    assert not named.passed, named
-    assert named.hint  # a failure names the likely bug
-
-
-@pytest.mark.parametrize("mutant", sorted(REWARD_CAUGHT_BY))
-def test_each_reward_mutant_fails_its_named_probe(mutant):
-    # On the demo's own task: bare "37+48=" prompts.
-    module = (MUTANTS / f"{mutant}.py").read_text()
-    (name,) = [line[4:].split("(")[0] for line in module.splitlines() if line.startswith("def ")]
-    rewards = load_rewards([f"{MUTANTS / mutant}.py:{name}"], task="arithmetic")
-    report = run_probes(probe_rows(load_task()), rewards)
-    results = by_id(check_reward_probes(report))
-    named = results[REWARD_CAUGHT_BY[mutant]]
-    assert not named.passed, named
-    assert named.hint and f"reward {name!r}" in named.what
-
-
-def test_every_mutant_file_is_declared_and_tested():
-    from test_episodes import EPISODE_CAUGHT_BY  # the episode mutants, tested there
-    from test_skip_zero_advantage import SKIP_CAUGHT_BY  # the skipping's, tested there
-
-    tested = set(CAUGHT_BY) | set(REWARD_CAUGHT_BY) | set(MENU_CAUGHT_BY) | set(EPISODE_CAUGHT_BY)
-    tested |= set(SKIP_CAUGHT_BY)
-    assert {p.stem for p in MUTANTS.glob("*.py")} == set(registry.mutants()) == tested
-
-
 def declared(overrides: dict) -> PreflightSettings:
     return PreflightSettings(objective=core.Objective(num_generations=4, **overrides))
-
-
-@pytest.mark.parametrize("name", sorted(DECLARED))
-def test_the_core_passes_every_check_of_each_declared_objective(model_and_batch, name):
-    model, batch = model_and_batch
-    results = run_checks(model, batch, declared(DECLARED[name]))
-    failed = [(r.id, r.measured, r.error) for r in results if not r.passed]
-    assert not failed
-    ids = set(by_id(results))
-    assert {check for check, o in MENU_CAUGHT_BY.values() if o == DECLARED[name]} <= ids
-
-
-@pytest.mark.parametrize("mutant", sorted(MENU_CAUGHT_BY))
-def test_each_menu_mutant_fails_its_named_check(model_and_batch, mutant):
-    model, batch = model_and_batch
-    check, overrides = MENU_CAUGHT_BY[mutant]
-    impl = load_impl(MUTANTS / f"{mutant}.py")
-    results = by_id(run_checks(model, batch, declared(overrides), impl=impl))
-    named = results[check]
-    assert not named.passed, named
-    assert named.hint
-    # The same file passes that check where the option it gets wrong is not declared.
-    if overrides and check not in {"loss.metrics"}:
-        plain = by_id(run_checks(model, batch, impl=impl))
-        assert check not in plain or plain[check].passed
 
 
 def test_the_declared_std_is_checked_not_assumed(model_and_batch):
@@ -249,29 +167,30 @@ def test_every_declared_only_check_has_a_hint_and_a_mutant_or_a_declared_run():
     assert registry.DECLARED_ONLY - caught <= {"entropy.values"}  # a real model's entropy
 
 
-def blame_table(model, batch) -> list[tuple[str, str, list[str]]]:
-    """(mutant, its check, the failing checks in blame order) for every mutant of the
-    seed's functions and of the menu's, each under the objective that declares its option."""
-    rows = [(m, c, {}) for m, c in CAUGHT_BY.items()]
-    rows += [(m, c, o) for m, (c, o) in MENU_CAUGHT_BY.items()]
-    table = []
-    for mutant, check, overrides in sorted(rows):
-        impl = load_impl(MUTANTS / f"{mutant}.py")
-        results = run_checks(model, batch, declared(overrides), impl=impl)
-        failing = [r.id for r in blamed(results) if r.id != "rewards.variance"]
-        table.append((mutant, check, failing))
-    return table
+# The seed's mutants under the seed's objective, the menu's under the one declaring the option.
+BLAMED = {**{m: (c, {}) for m, c in CAUGHT_BY.items()}, **MENU_CAUGHT_BY}
 
 
-def test_each_mutant_is_blamed_on_its_own_check_first(model_and_batch):
-    wrong = [(m, c, f) for m, c, f in blame_table(*model_and_batch) if f[:1] != [c]]
-    assert not wrong
+def blame_order(model, batch, mutant: str) -> list[str]:
+    """The checks `mutant` fails, in blame order: every check runs, under the objective that
+    declares the option it gets wrong."""
+    impl = load_impl(MUTANTS / f"{mutant}.py")
+    results = run_checks(model, batch, declared(BLAMED[mutant][1]), impl=impl)
+    return [r.id for r in blamed(results) if r.id != "rewards.variance"]
+
+
+@pytest.mark.parametrize("mutant", sorted(BLAMED))
+def test_each_mutant_is_blamed_on_its_own_check_first(model_and_batch, mutant):
+    failing = blame_order(*model_and_batch, mutant)
+    assert failing[:1] == [BLAMED[mutant][0]], failing
 
 
 if __name__ == "__main__":  # the blame table: which checks each known bug fails
-    import sys
+    from conftest import scored_batch, tiny_policy, tiny_rollout
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    for mutant, check, failing in blame_table(*model_and_batch.__wrapped__()):
+    model, tokenizer = tiny_policy()
+    batch = scored_batch(tiny_rollout(model, tokenizer))
+    for mutant, (check, _) in sorted(BLAMED.items()):
+        failing = blame_order(model, batch, mutant)
         mark = "" if failing[:1] == [check] else "   <- not first"
         print(f"{mutant:30s} {check:30s} {', '.join(failing)}{mark}")

@@ -6,32 +6,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from rich.console import Console
 from tokenizers import normalizers
 
 from grpolab.checks.registry import HINTS
 from grpolab.checks.rewards import check_tokenizer_coverage
 from grpolab.commands.rollout import run_rollout
-from grpolab.model.policy import build_char_tokenizer, load_policy
+from grpolab.model.policy import build_char_tokenizer
 from grpolab.tasks import SAMPLE_GSM8K, TaskConfig, load_task
 from grpolab.tasks.coverage import round_trip
-from grpolab.train.setup import DEMO_MODEL_DIR
 
 FIXTURES = Path(__file__).parent / "data"
 CAPITALS = TaskConfig(name="jsonl", path=str(FIXTURES / "capitals.jsonl"), num_eval=10)
 CHOICE = TaskConfig(name="jsonl", path=str(FIXTURES / "choice.jsonl"), num_eval=6)
 
 
-@pytest.fixture(scope="module")
-def demo_tokenizer():
-    """The demo model's own tokenizer: 18 symbols, digits and arithmetic."""
-    _, tokenizer = load_policy(DEMO_MODEL_DIR)
-    assert len(tokenizer) == 18
-    return tokenizer
-
-
 def test_the_demo_model_cannot_write_a_task_of_words(demo_tokenizer):
+    assert len(demo_tokenizer) == 18  # the demo's own: 18 symbols, digits and arithmetic
     task = load_task(CAPITALS)
     result = check_tokenizer_coverage(task, demo_tokenizer)
     assert not result.passed and result.measured == 40 and result.expected == "0 of 40"

@@ -111,6 +111,7 @@ def one_process(tmp_path_factory):
     return out, split
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_equal_one_process(tmp_path, one_process, mode):
     one_dir, one = one_process
@@ -215,10 +216,11 @@ def one_process_vllm(tmp_path_factory):
     out = tmp_path_factory.mktemp("one-vllm")
     torch.set_num_threads(1)
     steps = vllm_steps(load_config(None, vllm_overrides(out / "unused", "fsdp")))
-    train(load_config(None, vllm_overrides(out / "lora", "ddp", "lora.r=4")))
+    train(load_config(None, vllm_overrides(out / "lora", "ddp", "lora.r=4")), skip_preflight=True)
     return out, steps
 
 
+@pytest.mark.slow
 def test_one_vllm_engine_per_rank_synced_from_shards_and_from_lora(tmp_path, one_process_vllm):
     """Each rank samples with its own engine; after every update each engine is loaded from
     the gathered FSDP2 shards (or the merged LoRA weights under DDP) and passes its canary."""

@@ -154,6 +154,7 @@ def run_piped(ws: Path, commands: str, *args: str, **env: str) -> subprocess.Com
     )
 
 
+@pytest.mark.slow
 def test_piped_session_in_chinese(tmp_path):
     ws = tmp_path / "ws"
     assert main(["drill", "init", str(ws)]) == 0
@@ -224,6 +225,7 @@ def test_hints_start_over_each_session_unless_continued(tmp_path):
     assert zh.startswith("--continue：提示接着") and "目标 2 的提示 3/3" in zh
 
 
+@pytest.mark.slow
 def test_drill_check_exit_codes_and_json(tmp_path):
     ws = tmp_path / "ws"
     cmd = [sys.executable, "-m", "grpolab", "drill", "check", str(ws), "--json"]
@@ -248,6 +250,7 @@ def test_drill_check_exit_codes_and_json(tmp_path):
     assert json.loads((ws / ".drill.json").read_text())["passed_ever"] == list(range(1, 8))
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_drill_check_says_how_to_train_in_the_shell(tmp_path):
     ws = tmp_path / "ws"
@@ -391,6 +394,7 @@ class Drill:
         return (out + self.child.before).replace("\r\n", "\n")
 
 
+@pytest.mark.slow
 def test_the_interactive_session(tmp_path):
     ws = tmp_path / "ws"
     assert main(["drill", "init", str(ws)]) == 0

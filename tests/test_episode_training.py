@@ -5,7 +5,8 @@ bit, and `grpolab rollout --json` shows the turns."""
 import json
 from pathlib import Path
 
-from finished_runs import assert_same_run, metric_rows
+import pytest
+from finished_runs import assert_resumed_is_straight, metric_rows
 
 from grpolab.checks.episodes import EPISODE_IDS
 from grpolab.commands.cli import main
@@ -29,6 +30,7 @@ def config(tmp_path, *extra: str, name: str):
     return load_config(str(EXAMPLE), [f"output_dir={tmp_path / name}", *SMALL, *extra])
 
 
+@pytest.mark.slow  # three training runs and a preflight
 def test_a_multi_turn_run_resumed_in_the_middle_is_the_straight_run(tmp_path):
     train(config(tmp_path, "max_steps=3", name="straight"))
     preflight = json.loads((tmp_path / "straight" / "preflight.json").read_text())
@@ -41,9 +43,7 @@ def test_a_multi_turn_run_resumed_in_the_middle_is_the_straight_run(tmp_path):
     turns = [t for row in logged for s in row.get("samples", [row]) for t in s.get("turns", [])]
     assert {t["role"] for t in turns} >= {"assistant"}
 
-    train(config(tmp_path, "max_steps=2", name="resumed"), skip_preflight=True)
-    train(config(tmp_path, "max_steps=3", name="resumed"), resume=True, skip_preflight=True)
-    assert_same_run(tmp_path / "straight", tmp_path / "resumed", steps=3)
+    assert_resumed_is_straight(config, tmp_path, stop_at=2, steps=3)
 
 
 def test_rollout_json_shows_the_turns(capsys):

@@ -1,22 +1,17 @@
 """Multi-turn episodes on real tiny models: the token layout and the mask of an episode, tools
-that fail, groups whose samples take different numbers of turns, the episode checks and the
-mutants that must fail them."""
-
-from pathlib import Path
+that fail, groups whose samples take different numbers of turns, the episode checks on
+grpolab's own functions (the mutants that must fail them: tests/test_check_coverage.py)."""
 
 import pytest
 import torch
 from tolerances import logprob_tolerance
 
 from grpolab import core
-from grpolab.checks.episodes import EPISODE_IDS, probe_episodes
-from grpolab.checks.registry import mutants
+from grpolab.checks.episodes import EPISODE_IDS
 from grpolab.checks.runner import run_episode_checks
-from grpolab.functions import load_episode_impl
-from grpolab.model.policy import DEFAULT_CHARS, build_char_tokenizer, build_tiny_model
+from grpolab.model.policy import DEFAULT_CHARS, build_char_tokenizer
 from grpolab.rollout.base import SamplingParams
 from grpolab.rollout.episodes import (
-    EpisodeFunctions,
     EpisodeSetup,
     ProbeEnvironment,
     template_glue,
@@ -24,20 +19,15 @@ from grpolab.rollout.episodes import (
 from grpolab.rollout.hf import HFEngine
 from grpolab.rollout.tools import Observation, ToolEnvironment, parse_call, run_tool
 
-MUTANTS = Path(__file__).parent / "mutants"
-# episode mutant file -> the episode check that must catch it
-# mutant file -> the check that must catch it (declared by the episode checks)
-EPISODE_CAUGHT_BY = {m: c.id for m, (c, _) in mutants().items() if c.stage == "episodes"}
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return tiny[1]
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_char_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return build_tiny_model(tokenizer, seed=0)
+def model(tiny):
+    return tiny[0]
 
 
 class TwoTurns:
@@ -255,12 +245,6 @@ def test_the_samples_of_a_group_take_different_numbers_of_turns(model, tokenizer
     )
 
 
-@pytest.fixture(scope="module")
-def probe_batch(model, tokenizer):
-    engine = engine_for(model, tokenizer, ProbeEnvironment)
-    return probe_episodes(engine, ["37+48=", "5+5=", "12+30=", "99+1="], 4, params(budget=80))
-
-
 def by_id(results):
     return {r.id: r for r in results}
 
@@ -270,16 +254,6 @@ def test_grpolab_passes_every_episode_check(model, probe_batch):
     assert set(results) == set(EPISODE_IDS)
     failed = [(r.id, r.measured, r.error) for r in results.values() if not r.passed]
     assert not failed
-
-
-@pytest.mark.parametrize("mutant", sorted(EPISODE_CAUGHT_BY))
-def test_each_episode_mutant_fails_its_named_check(model, probe_batch, mutant):
-    fns = load_episode_impl(MUTANTS / f"{mutant}.py")
-    assert set(fns.source) and fns.source != EpisodeFunctions().source
-    results = by_id(run_episode_checks(model, probe_batch, fns=fns))
-    named = results[EPISODE_CAUGHT_BY[mutant]]
-    assert not named.passed, named
-    assert named.hint
 
 
 def test_the_tool_warmup_rows_mask_the_tool_turn_as_training_does():

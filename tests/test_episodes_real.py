@@ -23,6 +23,8 @@ from calculator import calculator  # noqa: E402
 
 PROMPTS = ["What is 37 + 48?", "What is 12 * 3?"]
 
+pytestmark = pytest.mark.slow  # the real SmolLM2
+
 
 @pytest.fixture(scope="module")
 def real():

@@ -18,6 +18,8 @@ from grpolab.rollout import RolloutConfig, SamplingParams
 from grpolab.rollout.episodes import EpisodeSetup, ProbeEnvironment
 from grpolab.rollout.vllm import VLLMEngineConfig
 
+pytestmark = pytest.mark.slow  # vLLM
+
 
 @pytest.fixture(scope="module")
 def setup():

@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 
 import grimp
+import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "grpolab"
 MAX_FUNCTION_LINES = 80
 
 
+@pytest.mark.slow
 def test_the_layers_contract_holds():
     # In a process of its own: import-linter reconfigures logging for the process it runs in.
     lint_imports = Path(sys.executable).parent / "lint-imports"

@@ -12,7 +12,6 @@ from grpolab.train.checkpoint import latest_checkpoint
 from grpolab.train.loop import train
 from grpolab.train.monitors import MonitorLimits, MonitorStop, RewardDivergence, check_step
 from grpolab.train.preflight import PreflightFailed
-from grpolab.train.setup import DEMO_MODEL_DIR
 
 HEALTHY = {
     "skipped": 0,
@@ -203,11 +202,13 @@ def test_stop_saves_a_checkpoint_and_stops(tmp_path):
     assert latest_checkpoint(out).name == "checkpoint-1"
 
 
-def test_dropout_breaks_the_first_ratio_and_both_guards_see_it(tmp_path):
+def test_dropout_breaks_the_first_ratio_and_both_guards_see_it(
+    tmp_path, demo_model, demo_tokenizer
+):
     # A policy with dropout: the extra forward for logp_old and the loss forward see different
     # masks, so the ratio is not 1 before the first update. The preflight refuses to start;
     # past it (--skip-preflight) the monitor names the ratio.
-    model, tokenizer = load_policy(DEMO_MODEL_DIR)
+    model, tokenizer = demo_model, demo_tokenizer  # this test's own copy of the model
     model.config.attention_dropout = 0.5
     save_policy(model, tokenizer, tmp_path / "dropout-model")
     base = [f"model.name_or_path={tmp_path / 'dropout-model'}", "max_steps=1", *TINY]

@@ -13,6 +13,8 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "parity.py"
 
+pytestmark = pytest.mark.slow  # the peers' own code
+
 
 def load_bench():
     spec = importlib.util.spec_from_file_location("bench_parity", BENCH)

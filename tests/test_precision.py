@@ -119,6 +119,7 @@ def test_the_hf_engine_samples_in_bf16_and_its_canary_catches_a_stale_copy():
     assert engine.last_sync_gap == 0.0
 
 
+@pytest.mark.slow
 def test_preflight_passes_in_bf16_and_holds_the_engine_to_plain_bf16(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "grpolab", "preflight", "--json", "runtime.precision=bf16",

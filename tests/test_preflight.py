@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 MUTANTS = Path(__file__).parent / "mutants"
 SMALL = ["rollout.max_completion_length=6", "batch.num_generations=4"]
 
@@ -18,6 +20,7 @@ def preflight(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_preflight_passes_on_the_demo_and_prints_json():
     out = preflight("--json", *SMALL)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -50,6 +53,7 @@ def test_preflight_passes_on_the_demo_and_prints_json():
     assert all(c["passed"] for c in report["checks"])
 
 
+@pytest.mark.slow
 def test_preflight_table_and_exit_1_on_a_buggy_impl():
     out = preflight("--impl", str(MUTANTS / "eps_swapped.py"), *SMALL)
     assert out.returncode == 1
@@ -57,6 +61,7 @@ def test_preflight_table_and_exit_1_on_a_buggy_impl():
     assert "likely bug" in out.stdout and "eps_low" in out.stdout
 
 
+@pytest.mark.slow
 def test_a_reward_that_accepts_the_echoed_question_fails_the_preflight():
     mutant = f"{MUTANTS / 'reward_accepts_echo.py'}:evaluated_accuracy"
     out = preflight(f"rewards.functions=[{mutant}]", *SMALL)
@@ -68,6 +73,7 @@ def test_a_reward_that_accepts_the_echoed_question_fails_the_preflight():
     assert "FAIL rewards.reference" not in text and "FAIL rewards.wrong_answer" not in text
 
 
+@pytest.mark.slow
 def test_a_task_the_demo_tokenizer_cannot_write_fails_tokenizer_coverage_first():
     capitals = Path(__file__).parent / "data" / "capitals.jsonl"
     out = preflight("task.name=jsonl", f"task.path={capitals}", "task.num_eval=10", *SMALL)
@@ -81,6 +87,7 @@ def test_a_task_the_demo_tokenizer_cannot_write_fails_tokenizer_coverage_first()
     assert "likely bug: the tokenizer cannot write these characters" in text
 
 
+@pytest.mark.slow
 def test_preflight_usage_errors_exit_2(tmp_path):
     out = preflight("trainer.no_such_key=1")
     assert out.returncode == 2 and "trainer.no_such_key" in out.stderr
@@ -92,6 +99,7 @@ def test_preflight_usage_errors_exit_2(tmp_path):
     assert out.returncode == 2 and "broken.py:1" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_trl_users_advantages_pass_under_the_trl_profile_and_fail_under_the_seed():
     trl = str(Path(__file__).parent / "impls" / "trl_advantages.py")
     out = preflight("--json", "--impl", trl, "objective.profile=trl", *SMALL)

@@ -57,6 +57,7 @@ def real():
     return model, tokenizer, directory
 
 
+@pytest.mark.slow
 def test_packaged_model_is_a_plain_hugging_face_directory(real):
     model, tokenizer, directory = real
     directory_path = Path(directory)
@@ -80,6 +81,7 @@ def test_packaged_model_is_a_plain_hugging_face_directory(real):
     assert (directory_path / GGUF_SOURCE_FILE).stat().st_mtime_ns == stamp
 
 
+@pytest.mark.slow
 def test_dequantised_weights_equal_the_gguf_librarys(real):
     """The cached weights are the GGUF tensors de-quantised: checked against the gguf
     package's own de-quantisation (independent of transformers' reader) on tensors of each
@@ -100,6 +102,7 @@ def test_dequantised_weights_equal_the_gguf_librarys(real):
         assert torch.equal(ours[name].detach(), expected.float()), name
 
 
+@pytest.mark.slow
 def test_a_gguf_path_and_a_folder_plus_gguf_file_resolve_to_the_same_directory(real, tmp_path):
     _, _, directory = real
     gguf_path = packaged_gguf(NAME)
@@ -132,6 +135,7 @@ def test_missing_package_or_reader_is_a_one_line_error(monkeypatch, tmp_path):
     assert not any(tmp_path.iterdir())  # nothing half-written
 
 
+@pytest.mark.slow
 def test_chat_template_rollout_with_a_real_bpe_tokenizer(real):
     """The HF engine on the real model: the prompt tokens are the chat template's, the decoded
     completions are the tokens that are trained on, <|im_end|> ends a turn (kept in the mask,
@@ -150,6 +154,7 @@ def test_chat_template_rollout_with_a_real_bpe_tokenizer(real):
     check_engine_logprobs(model, sampled)
 
 
+@pytest.mark.slow
 def test_a_real_bpe_tokenizer_writes_words_and_letters(real):
     # The task the demo's 18-symbol tokenizer fails (tests/test_coverage.py) passes here.
     from grpolab.checks.rewards import check_tokenizer_coverage
@@ -163,6 +168,7 @@ def test_a_real_bpe_tokenizer_writes_words_and_letters(real):
         assert result.passed and result.measured == 0 and result.expected == f"0 of {rows + 1}"
 
 
+@pytest.mark.slow
 def test_vllm_on_the_real_model(real):
     """vLLM started from the converted directory: the weight-sync canary, the chat template,
     <|im_end|>, decoded text = trained tokens, and its log-probs against the trainer's."""
@@ -205,6 +211,7 @@ def check_engine_logprobs(model, r):
     assert gap <= MonitorLimits().engine_gap, gap  # the monitor's float32 limit
 
 
+@pytest.mark.slow
 def test_one_training_step_on_the_real_model(real, tmp_path):
     """grpo_step end to end: rollout, rewards, the fused log-probs, AdamW. A reward that
     alternates within each group makes every advantage non-zero, so the step must move."""
@@ -233,6 +240,7 @@ def test_one_training_step_on_the_real_model(real, tmp_path):
     assert "model.layers.29.mlp.down_proj.weight" in moved
 
 
+@pytest.mark.slow
 def test_preflight_on_the_real_model(real):
     """Every preflight check on the real model, a real chat-template batch and the honest
     accuracy reward, with the trainer's own (fused) log-probs: each agreement check holds

@@ -71,18 +71,13 @@ def one_line_error(err: str) -> str:
 # --- Determinism and resume ----------------------------------------------------------------
 
 
-def test_two_same_seed_runs_with_two_threads_at_once_end_bit_identical(tmp_path):
-    # Both at the same time: each slows the other, which is what changed the order of
-    # multi-threaded accumulations before (index_put_ with repeated indices).
-    procs = [grpolab(*train_args(tmp_path / f"r{i}", 4, threads=2)) for i in (1, 2)]
-    for proc in procs:
-        rc, _, err = finish(proc)
-        assert rc == 0, err
-    assert_same_run(tmp_path / "r1", tmp_path / "r2", steps=4)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 def test_sigkill_then_resume_ends_where_a_straight_run_ends(tmp_path, threads):
+    # Two same-seed runs at the same time, the straight one and the killed one (then its
+    # resume): each slows the other, which is what changed the order of multi-threaded
+    # accumulations before (index_put_ with repeated indices). With 2 threads, this is also
+    # "two same-seed runs at once end bit-identical".
     steps = 8
     straight = grpolab(*train_args(tmp_path / "straight", steps, threads), threads=threads)
     killed_dir = tmp_path / "killed"
@@ -98,12 +93,11 @@ def test_sigkill_then_resume_ends_where_a_straight_run_ends(tmp_path, threads):
     time.sleep(rng.uniform(0.0, 0.05))
     killed.kill()
     killed.communicate()
-    rc, _, err = finish(straight)
-    assert rc == 0, err
     assert latest_checkpoint(killed_dir).name != f"checkpoint-{steps}", "killed too late"
-    rc, out, err = finish(
-        grpolab(*train_args(killed_dir, steps, threads), "--resume", threads=threads)
-    )
+    resumed = grpolab(*train_args(killed_dir, steps, threads), "--resume", threads=threads)
+    rc, _, err = finish(straight)  # it ran on while the killed run resumed
+    assert rc == 0, err
+    rc, out, err = finish(resumed)
     assert rc == 0, err
     assert "resuming from" in out
     assert not [p for p in killed_dir.iterdir() if p.name.startswith(".tmp-")]
@@ -113,6 +107,7 @@ def test_sigkill_then_resume_ends_where_a_straight_run_ends(tmp_path, threads):
 # --- Ctrl-C, SIGTERM --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupt_stops_after_the_step_with_a_checkpoint_and_resumes(tmp_path, sig):
     out = tmp_path / "run"
@@ -138,6 +133,7 @@ def test_an_interrupt_stops_after_the_step_with_a_checkpoint_and_resumes(tmp_pat
     assert [r["step"] for r in metric_rows(out)] == list(range(1, step + 2))
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_the_preflight_leaves_output_dir_as_it_was(tmp_path):
     out = tmp_path / "run"
     args = ["train", f"output_dir={out}", "max_steps=2", *RUN]  # the preflight runs first
@@ -157,6 +153,7 @@ def test_ctrl_c_during_the_preflight_leaves_output_dir_as_it_was(tmp_path):
     assert rc == 0, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.3, 1.0, 2.5])
 def test_ctrl_c_at_any_moment_ends_in_one_line_without_a_traceback(tmp_path, delay):
     # 0.3 s: Python's imports; later: the model, the preflight, the first steps, whatever
@@ -198,6 +195,7 @@ def truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
+@pytest.mark.slow
 def test_resume_passes_over_a_damaged_latest_checkpoint_and_names_it(finished_run, tmp_path):
     out = copy_run(finished_run, tmp_path / "run")
     truncate(out / "checkpoint-3" / "model.safetensors")
@@ -209,6 +207,7 @@ def test_resume_passes_over_a_damaged_latest_checkpoint_and_names_it(finished_ru
     assert [p.name for p in list_checkpoints(out)][-1] == "checkpoint-4"
 
 
+@pytest.mark.slow
 def test_resume_from_a_named_damaged_checkpoint_offers_the_intact_one(finished_run, tmp_path):
     out = copy_run(finished_run, tmp_path / "run")
     (out / "checkpoint-3" / "trainer_state.pt").write_bytes(b"not a torch file")
@@ -223,6 +222,7 @@ def test_resume_from_a_named_damaged_checkpoint_offers_the_intact_one(finished_r
     assert (out / "config.yaml").read_text() == config_before
 
 
+@pytest.mark.slow
 def test_a_torn_metrics_line_is_dropped_and_reported_on_resume(finished_run, tmp_path):
     out = copy_run(finished_run, tmp_path / "run")
     with open(out / "metrics.jsonl", "a") as f:
@@ -236,6 +236,7 @@ def test_a_torn_metrics_line_is_dropped_and_reported_on_resume(finished_run, tmp
 # --- Resume with another config ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_with_another_learning_rate_is_refused_then_applied_for_real(finished_run, tmp_path):
     out = copy_run(finished_run, tmp_path / "run")
     config_before = (out / "config.yaml").read_text()
@@ -259,6 +260,7 @@ def test_resume_with_another_learning_rate_is_refused_then_applied_for_real(fini
     ]
 
 
+@pytest.mark.slow
 def test_resume_may_change_bookkeeping_keys_without_asking(finished_run, tmp_path):
     out = copy_run(finished_run, tmp_path / "run")
     args = train_args(out, 4, 1, "--resume", "logging.log_completions_steps=2")
@@ -269,6 +271,7 @@ def test_resume_may_change_bookkeeping_keys_without_asking(finished_run, tmp_pat
 # --- The command line ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_flags_and_overrides_in_any_order(finished_run, tmp_path):
     out = copy_run(finished_run, tmp_path / "run")
     # --resume before an override: the override is not taken for a checkpoint path.
@@ -300,6 +303,7 @@ def test_user_mistakes_end_in_one_line_naming_what_is_wrong(args, expected, caps
     assert expected in one_line_error(err)
 
 
+@pytest.mark.slow
 def test_a_file_where_output_dir_should_be_created_is_named(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -151,6 +151,7 @@ def test_a_reward_model_on_the_probes_that_fails_is_a_failed_check(rm_dir):
     assert "tiny-rm" in first.what and "timed out" in first.what
 
 
+@pytest.mark.slow
 def test_the_cli_trains_on_a_reward_model(rm_dir, tmp_path):
     """`grpolab train rewards.functions=[accuracy, DIR]`: the preflight passes on a random
     reward model, its reward is logged every step, the run directory names the model."""
@@ -177,7 +178,7 @@ def test_the_api_takes_a_reward_model(rm_dir, tmp_path):
                       **{"task.eval_fraction": 0.1, "eval.eval_steps": 0})  # fmt: skip
     trainer = GRPOTrainer(model="demo", reward_funcs=["accuracy", str(rm_dir)], args=args,
                           train_dataset=rows)  # fmt: skip
-    summary = trainer.train(overwrite=True)
+    summary = trainer.train(overwrite=True, skip_preflight=True)  # the preflight: the CLI's
     assert summary["steps"] == 1
     logged = (tmp_path / "api" / "metrics.jsonl").read_text()
     assert "rewards/tiny-rm/mean" in logged
@@ -195,7 +196,7 @@ def test_the_api_takes_a_loaded_reward_model(rm_dir, tmp_path):
                       **{"eval.eval_steps": 0})  # fmt: skip
     trainer = GRPOTrainer(model="demo", reward_funcs=["accuracy", model], args=args)
     assert isinstance(trainer.config.rewards.functions[1], RewardModel)
-    trainer.train(overwrite=True)
+    trainer.train(overwrite=True, skip_preflight=True)
     assert "rewards/tiny-rm/mean" in (tmp_path / "api" / "metrics.jsonl").read_text()
     assert str(rm_dir) in (tmp_path / "api" / "config.yaml").read_text()
 

@@ -20,6 +20,8 @@ from grpolab.rollout.vllm import VLLMEngineConfig
 
 PROMPTS = ["37+48=", "5+6=", "a longer prompt here:"]
 
+pytestmark = pytest.mark.slow  # vLLM
+
 
 @pytest.fixture(scope="module")
 def tokenizer():

@@ -7,13 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-import test_checks
 import torch
 from safetensors.torch import load_file
 
 from grpolab import core
 from grpolab.checks.context import Context, PreflightSettings
-from grpolab.checks.registry import BY_ID, mutants
+from grpolab.checks.registry import BY_ID
 from grpolab.checks.runner import run_check
 from grpolab.config import ConfigError, load_config, objective_of, skips_zero_advantage
 from grpolab.functions import core_functions, load_impl
@@ -21,7 +20,6 @@ from grpolab.train.loop import train
 
 MUTANTS = Path(__file__).parent / "mutants"
 SKIP = BY_ID["update.skip_invariance"]
-SKIP_CAUGHT_BY = {m: c.id for m, (c, _) in mutants().items() if c is SKIP}
 
 
 def skip_invariance(impl, model, batch, s):
@@ -29,7 +27,6 @@ def skip_invariance(impl, model, batch, s):
     return run_check(SKIP, Context(impl, s, model, batch))
 
 
-model_and_batch = test_checks.model_and_batch  # the fixture: a tiny model's rollout
 # Valid configs off the default: loss types, GSPO, CISPO, dual-clip and delta at tight clip
 # values, another temperature, the peers' profiles.
 OBJECTIVES = {

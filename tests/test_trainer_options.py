@@ -130,6 +130,7 @@ def test_auto_precision_is_bf16_exactly_where_the_device_multiplies_bf16_nativel
     assert load_config(None, []).runtime.precision == "fp32"  # the demo's numbers everywhere
 
 
+@pytest.mark.slow  # inductor starts g++ and its compile workers
 def test_torch_compile_compiles_the_layer_parts_and_changes_nothing(tmp_path):
     """runtime.torch_compile: the MLP and norms of each decoder layer compiled (attention, which
     takes the KV cache, stays eager); each of two steps gives the eager model's gradient."""

@@ -4,6 +4,8 @@ then the failures in blame order (the likely cause first) and the goals' status.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from grpolab.check import GOALS, Check, CheckResult
@@ -39,9 +41,11 @@ def run_check(check: Check, ctx: Context) -> CheckResult:
         )
 
 
-def run_stage(ctx: Context, stage: str) -> list[CheckResult]:
-    """Every check of `stage` whose condition holds on `ctx`, in registry order."""
-    return [run_check(c, ctx) for c in ALL if c.stage == stage and c.when(ctx)]
+def run_stage(ctx: Context, stage: str, only: Collection[str] | None = None) -> list[CheckResult]:
+    """Every check of `stage` whose condition holds on `ctx`, in registry order; `only`: the
+    ids of the checks to run (None: all)."""
+    chosen = [c for c in ALL if c.stage == stage and (only is None or c.id in only)]
+    return [run_check(c, ctx) for c in chosen if c.when(ctx)]
 
 
 def run_checks(
@@ -49,14 +53,15 @@ def run_checks(
     batch: PreflightBatch,
     settings: PreflightSettings | None = None,
     impl: CoreFunctions | None = None,
+    only: Collection[str] | None = None,
 ) -> list[CheckResult]:
-    """The checks on a model and a scored batch, in goal order. The model's train/eval mode
-    and weights are left as found."""
+    """The checks on a model and a scored batch, in goal order (`only`: those ids alone).
+    The model's train/eval mode and weights are left as found."""
     s = settings or PreflightSettings()
     torch.manual_seed(s.seed)
     ctx = Context(impl or CoreFunctions(), s, model, batch)
     with eval_mode(model, zero_grad=True):
-        return run_stage(ctx, "batch")
+        return run_stage(ctx, "batch", only)
 
 
 def blamed(results: list[CheckResult]) -> list[CheckResult]:
@@ -89,12 +94,13 @@ def run_episode_checks(
     settings: PreflightSettings | None = None,
     impl: CoreFunctions | None = None,
     fns: EpisodeFunctions | None = None,
+    only: Collection[str] | None = None,
 ) -> list[CheckResult]:
     """The episode checks on the engine's record `batch` (grpolab.checks.episodes), with the
-    episode functions `fns`; the model left as found."""
+    episode functions `fns` (`only`: those ids alone); the model left as found."""
     episodes = Episodes(batch, fns or EpisodeFunctions())
     ctx = Context(
         impl or CoreFunctions(), settings or PreflightSettings(), model, episodes=episodes
     )
     with eval_mode(model, zero_grad=True):
-        return run_stage(ctx, "episodes")
+        return run_stage(ctx, "episodes", only)
