@@ -75,7 +75,8 @@ def kl_convention(ctx):
     expected.backward()
     # float32 against float64: relative to the size of the values
     gap = max(
-        abs(float(loss.detach()) - float(expected.detach())) / max(1.0, abs(float(expected))),
+        abs(float(loss.detach()) - float(expected.detach()))
+        / max(1.0, abs(float(expected.detach()))),
         max_abs(new.grad.double() - ref_new.grad) / max(1.0, max_abs(ref_new.grad)),
     )
     what = f"{o.kl_estimator}" + (f", clamp {o.kl_clamp:g}" if o.kl_clamp else "")
