@@ -424,6 +424,7 @@ def test_the_interactive_session(tmp_path):
     )
     assert found, out[-3000:]
     assert "resolved config: " in out and "adam_beta1" not in out  # the full config: config.yaml
+    assert "holds every value" not in out  # the trainer's config line, in the drill's words
     summary = json.loads((ws / "runs" / "drill" / "summary.json").read_text())
     assert f"{summary['accuracy_before']:.1f}" == found.group(1)
     assert f"{summary['accuracy_after']:.1f}" == found.group(2)

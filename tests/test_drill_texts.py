@@ -361,6 +361,7 @@ def test_passing_and_training_in_chinese(tmp_path):
     head, trainer = out.stdout.split("（下面是 grpolab train 自己的输出，为英文）\n")
     trainer, tail = trainer.split("你的 GRPO：")
     assert "完整配置见 " in trainer and re.search(r"训练 2 步后 [\d.]+%", tail)
+    assert "holds every value" not in trainer  # the config line is the drill's, in Chinese
     assert_chinese(head + "你的 GRPO：" + tail)
     summary = json.loads((ws / "runs" / "drill" / "summary.json").read_text())
     assert f"训练前 {summary['accuracy_before']:.1f}%" in tail

@@ -293,7 +293,7 @@ def gate(
     for warning in load_warnings(cfg):  # keys given that change nothing: said, not fatal
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
     session.staged |= {"config.yaml": to_yaml(cfg), "objective.txt": card + "\n"}
-    console.print(config_summary(cfg, session.run_dir))
+    console.print(config_summary(cfg, session.run_dir), soft_wrap=True)  # a path kept whole
     console.print(escape(card))
     console.print(run.task.describe_split())
     console.print(run.task.describe_answers())

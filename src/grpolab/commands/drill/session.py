@@ -263,16 +263,13 @@ class Session:
 
 
 def quiet_config(lines: Iterator[str], config_path: Path, lang: str) -> Iterator[str]:
-    """The trainer's output without its full resolved config (it is in config.yaml)."""
-    skipping = False
+    """The trainer's output with its config line in the drill's words (the values that
+    differ from the defaults follow it; config.yaml holds every value)."""
     for line in lines:
         line = line.rstrip("\n")
-        if line.startswith("Resolved config"):
-            skipping = True
+        if line.startswith("config: the defaults"):
             yield msg("resolved_config", lang, path=config_path)
-        elif skipping and line.startswith("GRPO objective"):
-            skipping = False
-        if not skipping:
+        else:
             yield line
 
 
