@@ -33,6 +33,8 @@ class PreflightBatch:
     rewards: torch.Tensor  # [B]
     group_size: int
     engine_logprobs: torch.Tensor | None = None  # [B, T-1], aligned like sequence_logprobs
+    # The engine's stop tokens (EOS first); None: the model config's eos_token_id.
+    stop_ids: tuple[int, ...] | None = None
 
     def rows(self, rows) -> PreflightBatch:
         """The rows `rows` (a slice or indices), every field cut alike."""
@@ -44,6 +46,7 @@ class PreflightBatch:
             self.rewards[rows],
             self.group_size,
             engine,
+            self.stop_ids,
         )
 
 
@@ -70,6 +73,8 @@ class PreflightSettings:
     # drill, whose learner writes the loss but not the scaling (split.gradient_invariance
     # covers the learner's normaliser there).
     accumulation: bool = True
+    # Rows per optimizer step on this process (the run's minibatch); None: the whole batch.
+    minibatch: int | None = None
 
 
 def grad_rows(batch: PreflightBatch, s: PreflightSettings) -> PreflightBatch:

@@ -60,6 +60,7 @@ def settings_from_config(cfg: Config, objective: Objective | None = None) -> Pre
         seed=cfg.seed,
         shared_prefix=cfg.runtime.shared_prefix,
         grad_rows=BatchPlan.of(cfg).micro,  # the trainer's forward + backward rows
+        minibatch=BatchPlan.of(cfg).minibatch,  # rows per optimizer step
     )
 
 
@@ -81,6 +82,7 @@ def sample_batch(run: Run) -> tuple[PreflightBatch, list[str]]:
         rewards.float(),
         G,
         None if rollout.engine_logprobs is None else rollout.engine_logprobs.to(device),
+        tuple(run.engine.stop_ids),
     )
     return batch, rollout.completions
 
