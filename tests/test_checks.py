@@ -63,6 +63,11 @@ DECLARED = {
         "entropy_coef": 0.01,
     },
     "kl": {"kl_estimator": "k2", "kl_clamp": 10.0, "beta": 0.04},
+    # every tis_mode ("menu" declares sequence_mask), and k1 with TRL's bias correction
+    "tis_token_truncate": {"tis_cap": 2.0, "tis_mode": "token_truncate"},
+    "tis_token_mask": {"tis_cap": 2.0, "tis_mode": "token_mask"},
+    "tis_sequence_truncate": {"tis_cap": 2.0, "tis_mode": "sequence_truncate", "beta": 0.1},
+    "kl_k1": {"kl_estimator": "k1", "use_bias_correction_kl": True, "beta": 0.1},
 }
 
 
@@ -129,11 +134,12 @@ def test_each_reward_mutant_fails_its_named_probe(mutant):
 
 
 def test_every_mutant_file_is_declared_and_tested():
+    from test_engine_checks import SYNC_CAUGHT_BY  # the weight sync's, tested there
     from test_episodes import EPISODE_CAUGHT_BY  # the episode mutants, tested there
     from test_skip_zero_advantage import SKIP_CAUGHT_BY  # the skipping's, tested there
 
     tested = set(CAUGHT_BY) | set(REWARD_CAUGHT_BY) | set(MENU_CAUGHT_BY) | set(EPISODE_CAUGHT_BY)
-    tested |= set(SKIP_CAUGHT_BY)
+    tested |= set(SKIP_CAUGHT_BY) | set(SYNC_CAUGHT_BY)
     assert {p.stem for p in MUTANTS.glob("*.py")} == set(registry.mutants()) == tested
 
 
