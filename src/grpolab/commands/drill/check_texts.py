@@ -151,10 +151,11 @@ CHECK_ZH: dict[str, dict[str, str]] = {
     },
     "kl.gradient": {
         "max relative gap of the KL's gradient to float64 ({est}): kl_k3's {k3}, the loss's KL "
-        "term's {term}, d loss / d beta's {dbeta} (KL {kl})": (
-            "KL 梯度与 float64 的最大相对误差（{est}）：kl_k3 的 {k3}，loss 中 KL 项的 {term}，"
-            "d loss / d beta 的 {dbeta}（KL 为 {kl}）"
+        "term's {term} ({n} tokens); d loss / d beta {dbeta}": (
+            "KL 梯度与 float64 的最大相对误差（{est}）：kl_k3 的 {k3}，loss 中 KL 项的 {term}"
+            "（{n} 个 token）；d loss / d beta 为 {dbeta}"
         ),
+        "<= 1e-4, d loss / d beta != 0": "<= 1e-4，且 d loss / d beta != 0",
     },
     "norm.aggregation": {
         "|loss - {agg}-mean| on unequal lengths ({others})": (
