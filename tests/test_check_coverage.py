@@ -4,7 +4,8 @@ printed (`pytest -rP tests/test_check_coverage.py`) and asserted.
 
 grpolab's own code: every batch check under the seed's objective and under each declared
 objective of test_checks.DECLARED (one full sweep each), the episode checks on probe episodes,
-and the checks on the whole run in one preflight of the demo. A mutant: its named check alone
+and the checks on the whole run in two preflights of the demo (the second samples with top-k
+from bf16 copies, for the engine checks). A mutant: its named check alone
 (the others read nothing of it), under the objective that declares the option the bug is in,
 on the same inputs, where grpolab's own functions pass that check."""
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from test_checks import DECLARED, MENU_CAUGHT_BY, declared
+from test_engine_checks import BF16, registry_check, scored_batch, sync_mutant
 
 from grpolab.check import CheckResult
 from grpolab.checks import registry
@@ -23,9 +25,11 @@ from grpolab.checks.runner import run_check, run_checks, run_episode_checks
 from grpolab.config import load_config
 from grpolab.core import CoreFunctions
 from grpolab.functions import load_episode_impl, load_impl
+from grpolab.model.policy import build_tiny_model
 from grpolab.rewards import load_rewards
 from grpolab.rewards.probes import probe_rows, run_probes
 from grpolab.rollout.episodes import EpisodeFunctions
+from grpolab.rollout.hf import HFEngine
 from grpolab.tasks import load_task
 from grpolab.train.preflight import preflight
 
@@ -34,8 +38,11 @@ REGISTERED = registry.mutants()  # file -> (the check that must catch it, what i
 # grpolab's own code, each run once: the batch checks under every declared objective, the
 # episode checks, one preflight of the demo (the checks on the whole run).
 OBJECTIVES = {"seed": {}, **DECLARED}
-OWN = (*OBJECTIVES, "episodes", "preflight")
+OWN = (*OBJECTIVES, "episodes", "preflight", "preflight_engine_copy")
 PREFLIGHT = ["rollout.max_completion_length=6", "batch.num_generations=4"]
+# The engine checks that need a sampler option or an engine with weights of its own: top-k
+# sampling, and the hf engine's bf16 copies that the weight sync must bring up to date.
+ENGINE_COPY = [*PREFLIGHT, "rollout.top_k=12", "runtime.precision=bf16"]
 
 
 class OwnCode:
@@ -51,6 +58,8 @@ class OwnCode:
                 self.cache[name] = run_episode_checks(self.model, self.probe_batch)
             elif name == "preflight":
                 self.cache[name] = preflight(load_config(None, PREFLIGHT))
+            elif name == "preflight_engine_copy":
+                self.cache[name] = preflight(load_config(None, ENGINE_COPY))
             else:
                 settings = declared(OBJECTIVES[name])
                 self.cache[name] = run_checks(self.model, self.batch, settings)
@@ -99,10 +108,18 @@ def reward_probe(path: Path | None, check_id: str) -> CheckResult:
 def named_check(mutant: str | None, check_id: str, declares: dict, inputs) -> list[CheckResult]:
     """The check `check_id` alone on the mutant file's functions (None: grpolab's own) under
     the objective that declares `declares`: one result, or none where its condition does
-    not hold."""
-    model, batch, probe_batch = inputs
+    not hold. The engine checks read a real engine: engine.sampling a batch it sampled as
+    declared, engine.sync_coverage its bf16 copies (the mutant: its sync in the engine's)."""
+    model, batch, probe_batch, tokenizer = inputs
     path = None if mutant is None else MUTANTS / f"{mutant}.py"
     check = registry.BY_ID[check_id]
+    if check_id == "engine.sync_coverage":
+        fresh = build_tiny_model(tokenizer, seed=1)  # the probe moves its weights
+        engine = HFEngine(fresh, tokenizer, precision=BF16)
+        scored_batch(engine, G=2)  # the engine's copies made by a rollout
+        return [registry_check(engine if mutant is None else sync_mutant(engine, mutant), fresh)]
+    if check_id == "engine.sampling":
+        batch = scored_batch(HFEngine(model, tokenizer), **sampling_of(declares))
     if check.stage == "episodes":
         fns = EpisodeFunctions() if path is None else load_episode_impl(path)
         return run_episode_checks(model, probe_batch, fns=fns, only={check_id})
@@ -114,11 +131,16 @@ def named_check(mutant: str | None, check_id: str, declares: dict, inputs) -> li
     return [run_check(check, Context(impl, declared(declares), model, batch))]
 
 
+def sampling_of(declares: dict) -> dict:
+    """The sampler's options among an objective's declared keys."""
+    return {k: v for k, v in declares.items() if k in ("temperature", "top_k", "top_p")}
+
+
 @pytest.fixture(scope="module")
-def caught(model_and_batch, probe_batch):
+def caught(model_and_batch, probe_batch, tiny):
     """mutant -> (its named check's result on the mutant, on grpolab's own functions), each
     computed once when first read."""
-    inputs, cache = (*model_and_batch, probe_batch), {}
+    inputs, cache = (*model_and_batch, probe_batch, tiny[1]), {}
 
     def of(mutant: str) -> tuple[CheckResult, CheckResult]:
         if mutant not in cache:

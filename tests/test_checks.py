@@ -57,6 +57,11 @@ DECLARED = {
         "entropy_coef": 0.01,
     },
     "kl": {"kl_estimator": "k2", "kl_clamp": 10.0, "beta": 0.04},
+    # every tis_mode ("menu" declares sequence_mask), and k1 with TRL's bias correction
+    "tis_token_truncate": {"tis_cap": 2.0, "tis_mode": "token_truncate"},
+    "tis_token_mask": {"tis_cap": 2.0, "tis_mode": "token_mask"},
+    "tis_sequence_truncate": {"tis_cap": 2.0, "tis_mode": "sequence_truncate", "beta": 0.1},
+    "kl_k1": {"kl_estimator": "k1", "use_bias_correction_kl": True, "beta": 0.1},
 }
 
 

@@ -307,6 +307,7 @@ INERT_CASES = [
     ["eval.eval_examples=50", "task.num_eval=0"],
     ["logging.log_completions_count=8", "logging.log_completions_steps=0"],
     ["monitors.clip_frac_max=0.5", "monitors.action=off"],
+    ["monitors.tis_capped_max=0.5"],
     ["parallel.ddp_bucket_mb=5", "parallel.strategy=fsdp"],
 ]
 
@@ -344,6 +345,7 @@ def test_every_inert_rule_has_a_case():
         ["runtime.precision=bf16", "rollout.sync_tolerance=0.01"],  # the hf bf16 copies
         ["runtime.precision=auto", "rollout.sync_tolerance=0.01"],
         ["rollout.hf.sampler=inverse_cdf"],
+        ["objective.tis_cap=2", "monitors.tis_capped_max=0.5"],
     ],
 )
 def test_keys_that_act_or_equal_their_baseline_load(overrides):

@@ -3,8 +3,10 @@ the preflight under every sampled config (a false alarm is as bad as a missed bu
 
 Configs are drawn with a fixed seed from every key the objective has (profiles, clip values
 across (0, 1), G, temperature, beta, loss types, estimators, scales, the menu's options and
-their combinations) and go through load_config, so only configs it accepts are checked.
-CI checks CI_CONFIGS of them, and each mutant of the seed's functions under MUTANT_CONFIGS;
+their combinations) and from the keys the checks read besides (the sampler's top-k and top-p,
+the minibatch and micro-batch split) and go through load_config, so only configs it accepts
+are checked. CI checks CI_CONFIGS of them at each of CI_SEEDS, and each mutant of the seed's
+functions under MUTANT_CONFIGS;
 `python tests/test_config_space.py N [SEED] [--mutants]` checks N offline and prints each
 false alarm (and each mutant that passes its check where it is a bug).
 """
@@ -31,7 +33,7 @@ from grpolab.rollout import SamplingParams
 from grpolab.rollout.hf import HFEngine
 
 CI_CONFIGS = 40
-CI_SEED = 21
+CI_SEEDS = (21, 2026)
 MUTANT_CONFIGS = 12  # of the same draw, for each mutant of the seed's functions
 MUTANTS = Path(__file__).parent / "mutants"
 # Where a mutant is a bug at all: beyond these, wherever its named check runs. (A symmetric
@@ -88,15 +90,24 @@ def sample_overrides(rng: random.Random) -> list[str]:
     t["mask_truncated_completions"] = rng.choice(["true", "false"])
     t["dynamic_sampling"] = rng.choice(["true", "false"])
     t["entropy_coef"] = rng.choice([0.0, 0.0, 0.01])
-    if rng.random() < 0.3:
+    engine_side = rng.random()
+    if engine_side < 0.15:  # the engine's log-probs as logp_old
         t["logprob_source"] = "engine"
-        t["tis_cap"] = rng.choice(["null", round(rng.uniform(1.5, 10), 2)])
+    elif engine_side < 0.45:  # importance weights against them (logp_old the trainer's)
+        t["tis_cap"] = round(rng.uniform(1.5, 10), 2)
         t["tis_mode"] = rng.choice(
             ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
         )
     t["num_iterations"] = rng.choice([1, 1, 2])
     overrides = [f"trainer.{k}={v}" for k, v in t.items()]
     overrides.append(f"rollout.temperature={round(rng.uniform(0.3, 1.5), 2)}")
+    overrides.append(f"rollout.top_k={rng.choice([0, 0, 0, 5, 20])}")
+    overrides.append(f"rollout.top_p={rng.choice([1.0, 1.0, 0.9, 0.7])}")
+    # The batch of len(PROMPTS) prompts, cut as the run cuts it.
+    G = t["num_generations"]
+    overrides.append(f"batch.prompts_per_step={len(PROMPTS)}")
+    overrides.append(f"batch.mini_batch_size={rng.choice(['null', 2 * G, G])}")
+    overrides.append(f"batch.gradient_accumulation_steps={rng.choice([1, 2, 4])}")
     return overrides
 
 
@@ -123,31 +134,40 @@ class Batches:
         self.model, self.tokenizer = tiny or tiny_policy()
         self.engine = HFEngine(self.model, self.tokenizer)
         self.model64 = None  # the float64 copy the gradient checks compare with
-        self.cache: dict[tuple[int, float], PreflightBatch] = {}
+        self.cache: dict[tuple, PreflightBatch] = {}
 
-    def get(self, G: int, temperature: float) -> PreflightBatch:
-        if (G, temperature) not in self.cache:
-            params = SamplingParams(temperature=temperature, max_completion_length=8, seed=G)
+    def get(self, cfg) -> PreflightBatch:
+        """The batch of cfg's G, sampled as cfg's rollout section samples (temperature, top-k,
+        top-p)."""
+        r = cfg.rollout
+        key = (cfg.batch.num_generations, r.temperature, r.top_k, r.top_p)
+        if key not in self.cache:
+            G = cfg.batch.num_generations
+            params = SamplingParams(
+                temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_completion_length=8,
+                seed=G,
+            )  # fmt: skip
             rollout = self.engine.generate(PROMPTS, G, params)
             g = torch.Generator().manual_seed(G)
             rewards = (torch.rand(len(PROMPTS) * G, generator=g) > 0.5).float()
             rewards.view(-1, G)[-1] = 1.0  # one flat group
-            self.cache[G, temperature] = PreflightBatch(
+            self.cache[key] = PreflightBatch(
                 rollout.input_ids,
                 rollout.attention_mask,
                 rollout.completion_mask,
                 rewards,
                 G,
                 rollout.engine_logprobs,
+                tuple(self.engine.stop_ids),
             )
-        return self.cache[G, temperature]
+        return self.cache[key]
 
 
 def false_alarms(batches: Batches, cfg) -> list[tuple[str, float, str]]:
     from grpolab.train.preflight import settings_from_config
 
     s = settings_from_config(cfg)
-    batch = batches.get(cfg.batch.num_generations, cfg.rollout.temperature)
+    batch = batches.get(cfg)
     results = run_checks(batches.model, batch, s)
     results += gradient_checks(batches, cfg, batch, s)
     # rewards.variance reads the task's rewards, not the functions: not a claim about them.
@@ -178,9 +198,10 @@ def batches(tiny):
     return Batches(tiny)
 
 
+@pytest.mark.parametrize("seed", CI_SEEDS)
 @pytest.mark.parametrize("index", range(CI_CONFIGS))
-def test_grpolabs_own_functions_pass_every_check_under_sampled_configs(batches, index):
-    overrides, cfg = valid_configs(CI_CONFIGS, CI_SEED)[index]
+def test_grpolabs_own_functions_pass_every_check_under_sampled_configs(batches, index, seed):
+    overrides, cfg = valid_configs(CI_CONFIGS, seed)[index]
     assert not false_alarms(batches, cfg), overrides
 
 
@@ -193,7 +214,7 @@ def mutant_misses(batches: Batches, cfg, mutant: str) -> str | None:
     if not APPLIES.get(mutant, lambda o: True)(s.objective):
         return None
     impl = load_impl(MUTANTS / f"{mutant}.py")
-    batch = batches.get(cfg.batch.num_generations, cfg.rollout.temperature)
+    batch = batches.get(cfg)
     results = run_checks(batches.model, batch, s, impl=impl, only={check})  # that check alone
     if not results or not results[0].passed:
         return None
@@ -202,7 +223,7 @@ def mutant_misses(batches: Batches, cfg, mutant: str) -> str | None:
 
 @pytest.mark.parametrize("mutant", sorted(CAUGHT_BY))
 def test_each_mutant_fails_its_check_under_sampled_configs(batches, mutant):
-    for overrides, cfg in valid_configs(CI_CONFIGS, CI_SEED)[:MUTANT_CONFIGS]:
+    for overrides, cfg in valid_configs(CI_CONFIGS, CI_SEEDS[0])[:MUTANT_CONFIGS]:
         assert mutant_misses(batches, cfg, mutant) is None, overrides
 
 

@@ -28,6 +28,10 @@ MUTANTS = TESTS / "mutants"
 # The known bugs a learner of the seed's objective can write (the checks of the other files
 # in tests/mutants/ run only where an objective declares their option).
 SEED_MUTANTS = (
+    "kl_no_grad",
+    "kl_detached_exp",
+    "kl_loss_no_grad",
+    "eos_as_padding",
     "no_shift",
     "bf16_log_softmax",
     "no_temperature",

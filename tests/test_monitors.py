@@ -10,7 +10,13 @@ from grpolab.config import load_config
 from grpolab.model.policy import load_policy, save_policy
 from grpolab.train.checkpoint import latest_checkpoint
 from grpolab.train.loop import train
-from grpolab.train.monitors import MonitorLimits, MonitorStop, RewardDivergence, check_step
+from grpolab.train.monitors import (
+    MonitorLimits,
+    MonitorStop,
+    RewardDivergence,
+    check_step,
+    zeroed_step,
+)
 from grpolab.train.preflight import PreflightFailed
 
 HEALTHY = {
@@ -38,6 +44,8 @@ def test_a_healthy_step_gives_no_warning():
         ("monitor/engine_gap", 0.4, "engine logp"),
         ("clip_frac", 0.6, "clip_frac"),
         ("frac_reward_zero_std", 1.0, "frac_reward_zero_std"),
+        ("tis/capped_frac", 0.5, "share of tokens whose importance weight"),
+        ("tis/capped_seq_frac", 0.5, "share of sequences with an importance weight"),
     ],
 )
 def test_each_quantity_out_of_range_is_named_with_its_step(key, value, named):
@@ -50,6 +58,14 @@ def test_ratio_is_watched_only_for_scheme_a():
     # Scheme B's logp_old comes from the engine: its gap is watched instead.
     bad_ratio = HEALTHY | {"monitor/ratio_dev": 0.05}
     assert check_step(3, bad_ratio, MonitorLimits(), trainer_logp_old=False) == []
+
+
+def test_a_step_whose_every_importance_weight_was_dropped_is_an_error():
+    assert zeroed_step(4, HEALTHY | {"tis/dropped_frac": 0.99}) is None
+    assert zeroed_step(4, HEALTHY) is None  # truncate modes, or no tis_cap: never zeroed
+    said = zeroed_step(4, HEALTHY | {"tis/dropped_frac": 1.0})
+    assert said.startswith("step 4: every token's importance weight was dropped")
+    assert "loss was exactly 0" in said
 
 
 def test_missing_or_nan_quantities_are_not_warnings():
@@ -202,6 +218,28 @@ def test_stop_saves_a_checkpoint_and_stops(tmp_path):
     assert latest_checkpoint(out).name == "checkpoint-1"
 
 
+def test_the_importance_weights_are_recorded_and_a_zeroed_step_stops_the_run(tmp_path):
+    # fp32, the hf engine on the trainer's own weights: no weight is near a cap of 2.
+    tis = ["objective.tis_cap=2.0", "objective.tis_mode=sequence_mask"]
+    cfg = load_config(None, [f"output_dir={tmp_path / 'ok'}", "max_steps=1", *tis, *TINY])
+    train(cfg, skip_preflight=True)
+    (row,) = _rows(tmp_path / "ok")
+    assert row["tis/capped_frac"] == row["tis/capped_seq_frac"] == row["tis/dropped_frac"] == 0
+    assert abs(row["tis/weight_mean"] - 1) < 1e-4
+    assert "warnings" not in row
+    # A cap below 1 drops every weight at step 1: the loss is exactly 0. Under
+    # monitors.action=warn too, the run stops there with a checkpoint.
+    out = tmp_path / "zeroed"
+    cfg = load_config(None, [f"output_dir={out}", "max_steps=3", *tis, *TINY,
+                             "objective.tis_cap=0.5"])  # fmt: skip
+    with pytest.raises(MonitorStop, match=r"step 1: every token's importance weight was dropped"):
+        train(cfg, skip_preflight=True)
+    assert latest_checkpoint(out).name == "checkpoint-1"
+    (row,) = _rows(out)
+    assert row["tis/dropped_frac"] == 1 and row["loss"] == 0
+    assert any("importance weight" in w for w in row["warnings"])
+
+
 def test_dropout_breaks_the_first_ratio_and_both_guards_see_it(
     tmp_path, demo_model, demo_tokenizer
 ):
@@ -227,12 +265,11 @@ def test_under_bf16_the_mean_engine_gap_is_watched_not_its_rounding_tail():
     """bf16 engines round apart: a max gap of 2 nats over a step's tokens is rounding (seen on
     the real-model example) and warns of nothing; a mean of 0.3 nats per token (a wrong
     temperature, other weights) does. Under fp32 the max stays watched at 1e-3."""
-    from types import SimpleNamespace
-
+    from grpolab.config.sections import MonitorsConfig
     from grpolab.model.precision import FP32, Precision
     from grpolab.train.monitors import limits_for
 
-    trainer = SimpleNamespace(clip_frac_max=0.3, zero_std_max=0.95, reward_strict_gap=0.1)
+    trainer = MonitorsConfig()  # the section's defaults
     bf16 = limits_for(trainer, "float32", Precision("bf16", "test"))
     rounding = HEALTHY | {"monitor/engine_gap": 2.04, "monitor/engine_gap_mean": 0.03}
     assert check_step(6, rounding, bf16, trainer_logp_old=True) == []

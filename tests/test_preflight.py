@@ -53,6 +53,37 @@ def test_preflight_passes_on_the_demo_and_prints_json():
     assert all(c["passed"] for c in report["checks"])
 
 
+# Options under which every check of the 2026 bug classes runs: top-k and top-p sampling,
+# importance weights, GSPO, KL, and the hf engine's bf16 copies for the sync check.
+EVERY_ENGINE_CHECK = [
+    "rollout.temperature=0.8", "rollout.top_k=12", "rollout.top_p=0.95",
+    "objective.tis_cap=2.0", "objective.tis_mode=sequence_mask",
+    "objective.importance_sampling_level=sequence", "objective.beta=0.04",
+    "runtime.precision=bf16", "batch.mini_batch_size=8", "batch.gradient_accumulation_steps=2",
+]  # fmt: skip
+NEW_CHECKS = {
+    "kl.gradient", "norm.eos", "norm.token_count", "engine.trained_tokens", "engine.sampling",
+    "engine.is_step_one", "engine.is_finite", "gspo.sequence_ratio", "engine.sync_coverage",
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_preflight_json_lists_the_checks_of_the_2026_bug_classes():
+    out = preflight("--json", *EVERY_ENGINE_CHECK, *SMALL)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    checks = {c["id"]: c for c in json.loads(out.stdout)["checks"]}
+    assert set(checks) >= NEW_CHECKS
+    assert all(c["passed"] for c in checks.values())
+
+
+@pytest.mark.slow
+def test_preflight_names_a_kl_without_gradient_first():
+    out = preflight("--impl", str(MUTANTS / "kl_no_grad.py"), *SMALL)
+    assert out.returncode == 1
+    first = next(line for line in out.stdout.splitlines() if line.startswith("FAIL"))
+    assert first.startswith("FAIL kl.gradient:") and "kl_k3's 1.0e+00" in first
+
+
 @pytest.mark.slow
 def test_preflight_table_and_exit_1_on_a_buggy_impl():
     out = preflight("--impl", str(MUTANTS / "eps_swapped.py"), *SMALL)

@@ -36,6 +36,8 @@ class PreflightBatch:
     # The reward functions that returned None for every row of the batch (the preflight's
     # scoring says; a designed batch has none).
     unscored: tuple[str, ...] = ()
+    # The engine's stop tokens (EOS first); None: the model config's eos_token_id.
+    stop_ids: tuple[int, ...] | None = None
 
     def rows(self, rows) -> PreflightBatch:
         """The rows `rows` (a slice or indices), every field cut alike."""
@@ -48,6 +50,7 @@ class PreflightBatch:
             self.group_size,
             engine,
             self.unscored,
+            self.stop_ids,
         )
 
 
@@ -74,6 +77,8 @@ class PreflightSettings:
     # drill, whose learner writes the loss but not the scaling (split.gradient_invariance
     # covers the learner's normaliser there).
     accumulation: bool = True
+    # Rows per optimizer step on this process (the run's minibatch); None: the whole batch.
+    minibatch: int | None = None
 
 
 def grad_rows(batch: PreflightBatch, s: PreflightSettings) -> PreflightBatch:

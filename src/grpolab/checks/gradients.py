@@ -212,7 +212,9 @@ def split_invariance(ctx):
     B = batch.input_ids.shape[0]
     # Uneven micro-batches: the longest sequences alone, then the rest in two parts.
     order = torch.argsort(batch.completion_mask[:, 1:].sum(1), descending=True)
-    parts = [order[: max(1, B // 4)], order[max(1, B // 4) : B // 2], order[B // 2 :]]
+    # (a partition of the rows: a micro-batch of one row leaves B = 1, one part)
+    first, half = max(1, B // 4), max(1, B // 4, B // 2)
+    parts = [order[:first], order[first:half], order[half:]]
     whole, split = accumulated_gradients(
         ctx.impl, ctx.model, batch, s, _alternating(B), parts, core.micro_batch_scale,
         model64(ctx),

@@ -1,6 +1,8 @@
 """Goal 6, the normalisation: the declared aggregation (sequence-, token- and constant-
-normalised losses differ on unequal lengths), prompt and padding carrying no gradient, and
-the gradient under accumulation equal to one pass over the rows in the loss."""
+normalised losses differ on unequal lengths), prompt and padding carrying no gradient, the
+EOS that ends a completion carrying it, and the gradient under accumulation equal to one pass
+over the rows in the loss, with the tokens (rows) each micro-batch's loss is divided by
+counted over every micro-batch and rank."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 
 from grpolab import core
 from grpolab.check import Check, Mutant
-from grpolab.checks.context import signed_advantages
+from grpolab.checks.context import PreflightBatch, grad_rows, signed_advantages
 from grpolab.objective.base import max_abs
 
 UNEQUAL_LENGTHS = (6, 1, 3, 4)
@@ -64,6 +66,141 @@ def masked_gradient(ctx):
     leak = max_abs(logp_new.grad[~batch.completion_mask[:, 1:].bool()])
     return ctx.result(
         "max |d loss / d logp| on prompt and padding positions", leak, "== 0", leak == 0.0
+    )
+
+
+def stop_ids(ctx) -> list[int]:
+    """The engine's stop tokens, EOS first (the batch's, else the model config's EOS)."""
+    if ctx.batch.stop_ids:
+        return list(ctx.batch.stop_ids)
+    eos = getattr(ctx.model.config, "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not ids:
+        raise ValueError("neither the batch nor the model config names an EOS token")
+    return ids
+
+
+def finished_rows(ctx) -> tuple[PreflightBatch, torch.Tensor, int]:
+    """(the real batch's first grad rows with every completion finished, each row's EOS
+    column [B], how many ended in a stop token as sampled): a completion cut at the length
+    limit has its last token replaced by the EOS id, so that every row has an EOS where the
+    engine puts it (and, where pad == EOS, the id a padding mask would also match)."""
+    batch = grad_rows(ctx.batch, ctx.settings)
+    stops = stop_ids(ctx)
+    columns = torch.arange(batch.input_ids.shape[1])
+    last = (batch.completion_mask.bool() * columns).max(dim=1).values  # [B]
+    rows = torch.arange(len(last))
+    sampled = torch.isin(batch.input_ids[rows, last], torch.tensor(stops))
+    input_ids = batch.input_ids.clone()
+    input_ids[rows[~sampled], last[~sampled]] = stops[0]
+    finished = PreflightBatch(
+        input_ids, batch.attention_mask, batch.completion_mask, batch.rewards, batch.group_size
+    )
+    return finished, last, int(sampled.sum())
+
+
+def eos_in_loss(ctx):
+    """The EOS that ends each finished completion is inside the loss mask and carries
+    gradient (TRL PRs #4970, #6357: padding found by its id where pad == EOS masked the real
+    EOS too, and the model never learned to stop): the implementation's log-probs and mask on
+    the real batch's rows, the loss's gradient at each EOS's log-prob, signed advantages."""
+    batch, last, sampled = finished_rows(ctx)
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
+    with torch.no_grad():
+        logp, mask = ctx.impl.sequence_logprobs(ctx.model, *args, ctx.objective.temperature)
+    logp_new = logp.detach().requires_grad_()
+    advantages = signed_advantages(batch.input_ids.shape[0])
+    loss, _ = ctx.loss(logp_new, logp_new.detach(), None, advantages, mask)
+    (grad,) = torch.autograd.grad(torch.as_tensor(loss), logp_new, allow_unused=True)
+    grad = torch.zeros_like(logp_new) if grad is None else grad
+    rows = torch.arange(len(last))
+    at_eos = last - 1  # logp[:, t] is the log-prob of input_ids[:, t + 1]
+    left_out = (mask[rows, at_eos] == 0) | (grad[rows, at_eos] == 0)
+    return ctx.result(
+        f"completions whose EOS is out of the loss mask or gets no gradient, of {len(rows)} "
+        f"({sampled} ended in EOS as sampled, the rest given one)",
+        int(left_out.sum()),
+        "== 0",
+        not bool(left_out.any()),
+    )
+
+
+def split_rows(B: int, minibatch: int, micro: int, world: int) -> list[list[list[torch.Tensor]]]:
+    """The trainer's cut of B rows over `world` ranks (contiguous shares), each rank's share
+    into minibatches of `minibatch` rows (one optimizer step each) and those into micro-batches
+    of `micro`: [optimizer step][rank] -> that rank's micro-batches (row indices)."""
+    per_rank = B // world
+    steps = []
+    for start in range(0, per_rank, minibatch):
+        ranks = []
+        for r in range(world):
+            first = r * per_rank
+            rows = torch.arange(first + start, first + min(start + minibatch, per_rank))
+            ranks.append([rows[m : m + micro] for m in range(0, len(rows), micro)])
+        steps.append(ranks)
+    return steps
+
+
+def counted_normalisers(ctx, mask, L, steps) -> tuple[float, float, float]:
+    """(worst relative gap, that micro-batch's normaliser, its minibatch's count): each
+    micro-batch's loss of ones (the implementation's aggregate, times its micro_batch_scale
+    share with the count summed over ranks, as the trainer scales it) divides its own sum by
+    a normaliser; that must be the whole minibatch's count over every rank: its mask's tokens
+    ("token") or its rows in the loss (sequence, constant)."""
+    o = ctx.objective
+    token = core.aggregation(o.loss_type) == "token"
+    worst, shown = 0.0, (0.0, 0.0)
+    for ranks in steps:
+        rank_masks = [mask[torch.cat(micros)] for micros in ranks]
+        count = sum(core.normaliser_count(o.loss_type, m) for m in rank_masks)  # all ranks
+        expected = float(mask[torch.cat([torch.cat(m) for m in ranks])].sum()) if token else count
+        for micros, rank_mask in zip(ranks, rank_masks, strict=True):
+            for rows in micros:
+                m = mask[rows]
+                value = float(ctx.impl.aggregate(m.clone(), m, o.loss_type, L))
+                share = float(ctx.impl.micro_batch_scale(o.loss_type, m, rank_mask, count))
+                own = {"token": m.sum(), "sequence": (m.sum(1) > 0).sum(), "constant": m.sum() / L}
+                total = float(own[core.aggregation(o.loss_type)])
+                if total == 0:
+                    continue  # no row of it in the loss: it adds nothing
+                normaliser = total / (value * share) if value * share else float("inf")
+                gap = abs(normaliser - expected) / max(expected, 1.0)
+                if gap >= worst:
+                    worst, shown = gap, (normaliser, expected)
+    return worst, *shown
+
+
+def token_count(ctx):
+    """The count each micro-batch's loss is divided by, summed over micro-batches, ranks and
+    accumulation steps as the trainer sums it, is the mask's (verl #7321: the micro-batch's
+    own count; SkyRL PR #1296: each DDP worker's own; ms-swift #10117: divided by the
+    accumulation steps twice): on the real batch's mask, under the run's split on one
+    process and its minibatches over 2 ranks."""
+    o = ctx.objective
+    mask = ctx.batch.completion_mask[:, 1:].float()
+    B = mask.shape[0]
+    if o.mask_truncated_completions or o.dynamic_sampling:
+        mask[[1, B // 2 + 1]] = 0.0  # a truncated row and a filler: out of the loss
+    L = o.max_completion_length or mask.shape[1]
+    minibatch = min(ctx.settings.minibatch or B, B)
+    micro = min(ctx.settings.grad_rows or minibatch, minibatch)
+    per_rank = max(1, minibatch // 2)
+    splits = {
+        f"mini {minibatch} x micro {micro}": split_rows(B, minibatch, micro, 1),
+        f"2 ranks x mini {per_rank} x micro {max(1, per_rank // 2)}": split_rows(
+            B - B % 2, per_rank, max(1, per_rank // 2), 2
+        ),
+    }
+    gaps = {name: counted_normalisers(ctx, mask, L, steps) for name, steps in splits.items()}
+    name = max(gaps, key=lambda k: gaps[k][0])
+    (worst, counted, count), unit = gaps[name], "tokens" if o.aggregation == "token" else "rows"
+    return ctx.result(
+        f"max relative gap of the {unit} a micro-batch's scaled loss is divided by to the "
+        f"minibatch's count over every rank ({' and '.join(splits)}; worst {counted:.6g} "
+        f"against {count:g} under {name})",
+        worst,
+        "<= 1e-5",
+        worst <= 1e-5,
     )
 
 
@@ -135,6 +272,15 @@ CHECKS = (
         mutants=(Mutant("prompt_in_mask"),),
     ),
     Check(
+        "norm.eos",
+        6,
+        "the EOS that ends a finished completion is a sampled token: keep it in the mask "
+        "(completion_mask[:, 1:]), never find padding by its token id (pad == EOS for many "
+        "tokenizers, SmolLM2's included), or the model never learns to stop",
+        eos_in_loss,
+        mutants=(Mutant("eos_as_padding"),),
+    ),
+    Check(
         "norm.minibatch_invariance",
         6,
         "under gradient accumulation each micro-batch's loss is scaled by its share of the "
@@ -151,6 +297,18 @@ CHECKS = (
                 {"loss_type": "sequence", "mask_truncated_completions": True},
             ),
         ),
+        declared_only=True,
+    ),
+    Check(
+        "norm.token_count",
+        6,
+        "a micro-batch's loss must be divided by the whole minibatch's count over every rank "
+        "and accumulation step: scale it by its share of the count the trainer hands in "
+        "(minibatch_count, summed over ranks), not by its own count, its rank's, or once more "
+        "by the number of micro-batches",
+        token_count,
+        when=lambda ctx: ctx.settings.accumulation,
+        mutants=(Mutant("micro_scale_local_count"),),
         declared_only=True,
     ),
 )

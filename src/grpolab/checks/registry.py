@@ -1,8 +1,8 @@
 """Every check, declared once (grpolab.check.Check), in the order they run: the
 seed's seven goals, each followed by the checks of the objective's units for that goal
-(grpolab.objective), the units' checks beyond the goals, the episodes', the reward probes',
-and the preflight's own against the whole run. Every id list, hint, blame order and mutant
-is read from here."""
+(grpolab.objective), the units' checks beyond the goals, the engine's samples', the
+episodes', the reward probes', and the preflight's own against the whole run. Every id
+list, hint, blame order and mutant is read from here."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from grpolab.checks import (
     normalisation,
     ratio,
     rewards,
+    sampling,
+    sync,
 )
 
 # The seed's goals, one module each.
@@ -37,7 +39,8 @@ SEED_GOALS = {
 def _batch_checks() -> tuple[Check, ...]:
     units = objective.unit_checks()
     goals = [c for g in GOALS for c in (*SEED_GOALS[g], *(u for u in units if u.goal == g))]
-    return (*goals, *(u for u in units if u.goal == 0), rewards.VARIANCE)
+    beyond = (*(u for u in units if u.goal == 0), *sampling.CHECKS)
+    return (*goals, *beyond, rewards.VARIANCE)
 
 
 ALL: tuple[Check, ...] = (
@@ -46,6 +49,7 @@ ALL: tuple[Check, ...] = (
     *episodes.CHECKS,
     *(demand.check for demand in rewards.PROBES),
     *gradients.CHECKS,
+    *sync.CHECKS,
     *memory.CHECKS,
 )
 BY_ID: dict[str, Check] = {c.id: c for c in ALL}

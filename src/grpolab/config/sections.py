@@ -143,6 +143,10 @@ class MonitorsConfig:
     # tasks with symbolic answers, which math-verify matches and the text-exact strict check
     # does not.
     reward_strict_gap: float = key(0.1, **fraction(), legacy="trainer.monitor_reward_strict_gap")
+    # objective.tis_cap: the share of tokens (or of sequences) whose importance weight the cap
+    # truncated or dropped; above it the engine and the trainer are far apart. A step whose
+    # every weight was dropped (a loss of exactly 0) always stops the run.
+    tis_capped_max: float = key(0.2, **fraction(), resume_free=True)
     # Stop after this many skipped (non-finite) steps in a row.
     max_consecutive_nonfinite: int = key(3, **_int_at_least(1), resume_free=True)
     # Stop (with a checkpoint) when a reward function has failed on every sample of this many

@@ -95,12 +95,15 @@ SECTIONS = tuple(
 
 def objective_of(cfg: Config) -> Objective:
     """The objective these keys declare, the one record every part of a run reads: the
-    `objective` section with G, the sampling temperature and the constant normaliser's L."""
+    `objective` section with G, the sampling temperature, top-p and top-k, and the constant
+    normaliser's L."""
     keys = {f.name: getattr(cfg.objective, f.name) for f in dataclasses.fields(ObjectiveKeys)}
     return Objective(
         **keys,
         num_generations=cfg.batch.num_generations,
         temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
         # constant's L: single-turn max_completion_length, an episode's token budget
         max_completion_length=cfg.rollout.episode_budget(),
     )

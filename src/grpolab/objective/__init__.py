@@ -113,8 +113,9 @@ UNITS: tuple[Option, ...] = (
     reinforce_pp.REINFORCE_PP,
 )
 # The objective card's rows, in order (a row no unit writes is left out).
-CARD_ROWS = ("groups", "advantage", "zero std", "ratio", "logp_old", "clip", "KL", "aggregation",
-             "inner epochs", "engine", "entropy", "truncated", "sampling")  # fmt: skip
+CARD_ROWS = ("groups", "advantage", "zero std", "ratio", "logp_old", "sampled", "clip", "KL",
+             "aggregation", "inner epochs", "engine", "entropy", "truncated",
+             "sampling")  # fmt: skip
 
 # The `objective` keys: every unit's, the seed's first; with the variants they pick.
 ObjectiveKeys = dataclasses.make_dataclass(
@@ -137,15 +138,23 @@ class Objective(ObjectiveKeys):
     construction (each key's declared constraint, then each unit's rules). The trainer's loss,
     the objective card and the preflight's expectations all read this one record."""
 
-    # From the other sections: G, the sampling temperature, the constant normaliser's L.
+    # From the other sections: G, the sampling temperature, the constant normaliser's L, and
+    # the sampler's truncation (top-p, top-k: 1 and 0 are off).
     num_generations: int = 8
     temperature: float = 1.0
     max_completion_length: int | None = None
+    top_p: float = 1.0
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         check_fields(self)
         for unit in UNITS:
             unit.rules(self)
+
+    @property
+    def truncated_sampling(self) -> bool:
+        """The engine samples from softmax(logits / T) cut to its top-k / top-p."""
+        return self.top_k > 0 or self.top_p < 1
 
     @property
     def on_policy(self) -> bool:

@@ -53,6 +53,8 @@ def _card(o) -> dict[str, str]:
     }
     if o.importance_sampling_level == "token":
         rows["ratio"] = f"exp(logp_new - logp_old) per token at temperature {o.temperature:g}"
+    if o.truncated_sampling:
+        rows["sampled"] = _sampled_row(o)
     if o.surrogate == "clip":
         lo, hi = 1 - o.epsilon, 1 + o.epsilon_high
         rows["clip"] = (
@@ -60,6 +62,17 @@ def _card(o) -> dict[str, str]:
             f"-min(ratio*A, clip(ratio)*A){o.mark('epsilon', 'epsilon_high')}"
         )
     return rows
+
+
+def _sampled_row(o) -> str:
+    """What the engine draws from under top-k / top-p, and which distribution every log-prob
+    is of (the engine's, the trainer's, the ratio's and the importance weights')."""
+    cut = [f"top-k {o.top_k}"] * (o.top_k > 0) + [f"top-p {o.top_p:g}"] * (o.top_p < 1)
+    return (
+        f"from softmax(logits / {o.temperature:g}) cut to its {' then '.join(cut)}; every "
+        f"log-prob (engine, trainer, ratio, importance weights) of the untruncated "
+        f"softmax(logits / {o.temperature:g})"
+    )
 
 
 def _advantage_formula(o) -> str:

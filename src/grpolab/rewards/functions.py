@@ -175,7 +175,8 @@ def raised_at(error: BaseException) -> str:
     """'file.py:line in function: source line' of the innermost frame outside grpolab that
     the exception passed through (the user's code), or ''."""
     frames = [
-        f for f in traceback.extract_tb(error.__traceback__)
+        f
+        for f in traceback.extract_tb(error.__traceback__)
         if not Path(f.filename).resolve().is_relative_to(GRPOLAB_DIR)
     ]
     if not frames:

@@ -59,6 +59,7 @@ from grpolab.train.monitors import (
     count_nonfinite,
     limits_for,
     write_capsule,
+    zeroed_step,
 )
 from grpolab.train.preflight import preflight_gate
 from grpolab.train.rundir import OutputDirError, RunLock, claim_output_dir, prepare_output_dir
@@ -388,7 +389,7 @@ def steps(session: Session) -> None:
                 bar.console.print(session.tracker.console_line(step, cfg.max_steps, metrics))
             if first and abs(metrics["loss"]) < ZERO_LOSS:
                 bar.console.print(f"note: {ZERO_LOSS_NOTE}")
-            stop_if_unhealthy(session, step, warnings, batch)
+            stop_if_unhealthy(session, step, warnings, batch, zeroed_step(step, metrics))
             if dist_module.any_rank(stop.requested, run.dist):
                 path = save(session, step)
                 session.tracker.close()
@@ -464,10 +465,17 @@ def record(session: Session, step: int, metrics: dict, batch: StepBatch) -> None
         session.tracker.log_completions(step, batch.samples(log.log_completions_count))
 
 
-def stop_if_unhealthy(session: Session, step: int, warnings: list[str], batch: StepBatch):
-    """monitors.action=stop with a warning, or max_consecutive_nonfinite skipped steps in a
-    row: save, write the replay capsule (non-finite), raise."""
+def stop_if_unhealthy(
+    session: Session, step: int, warnings: list[str], batch: StepBatch, zeroed: str | None = None
+):
+    """monitors.action=stop with a warning, a step whose every importance weight was dropped
+    (`zeroed`, whatever the action), or max_consecutive_nonfinite skipped steps in a row:
+    save, write the replay capsule (non-finite), raise."""
     run, m = session.run, session.run.cfg.monitors
+    if zeroed:
+        path = save(session, step)
+        session.tracker.close()
+        raise MonitorStop(f"stopped at {zeroed}; checkpoint {path}")
     if warnings and m.action == "stop":
         path = save(session, step)
         session.tracker.close()

@@ -56,6 +56,11 @@ class MonitorLimits:
     # limit there.
     reward_strict_gap: float = 0.1
     divergence_window: int = 8
+    # objective.tis_cap: tokens (sequences) whose importance weight the cap truncated or
+    # dropped. Before any update the trainer's and an fp32 engine's log-probs are ~1e-6 apart,
+    # so no weight is near a cap; a share this large means stale weights or another
+    # distribution (temperature, top-p) on one side.
+    tis_capped_max: float = 0.2
 
 
 # Under runtime.precision=bf16 the engine and the loss forward are two bf16 computations of
@@ -85,6 +90,7 @@ def limits_for(monitors, model_dtype: str, precision: Precision) -> MonitorLimit
         clip_frac_max=monitors.clip_frac_max,
         zero_std_max=monitors.zero_std_max,
         reward_strict_gap=monitors.reward_strict_gap,
+        tis_capped_max=monitors.tis_capped_max,
     )
 
 
@@ -164,6 +170,20 @@ WATCHES = (
         "the policy moves too far per step: lower the learning rate or num_iterations",
     ),
     Watch(
+        "tis/capped_frac",
+        "share of tokens whose importance weight the cap truncated or dropped",
+        "tis_capped_max",
+        "the engine's log-probs are far from the trainer's: stale engine weights, another "
+        "temperature or top-p on one side, or a tis_cap below the engine's own gap",
+    ),
+    Watch(
+        "tis/capped_seq_frac",
+        "share of sequences with an importance weight the cap truncated or dropped",
+        "tis_capped_max",
+        "the engine's log-probs are far from the trainer's: stale engine weights, another "
+        "temperature or top-p on one side, or a tis_cap below the engine's own gap",
+    ),
+    Watch(
         "frac_reward_zero_std",
         "frac_reward_zero_std",
         "zero_std_max",
@@ -194,6 +214,21 @@ def check_step(
             why = (w.explain(metrics) if w.explain else None) or w.why
             warnings.append(f"step {step}: {w.name} = {value:.3g}, expected {expected} ({why})")
     return warnings
+
+
+def zeroed_step(step: int, metrics: dict) -> str | None:
+    """Why the step must stop the run whatever monitors.action says: every importance weight
+    was dropped (tis_mode *_mask), so the loss was exactly 0 and the update had no gradient
+    from the data, an error and not a loss of 0 (TRL PR #7120: whole stale batches masked)."""
+    dropped = metrics.get("tis/dropped_frac")
+    if not _known(dropped) or dropped < 1:
+        return None
+    return (
+        f"step {step}: every token's importance weight was dropped above objective.tis_cap, so "
+        "the loss was exactly 0 and nothing was learned from the batch: the engine samples from "
+        "other weights or another distribution than the trainer (a failed weight sync, another "
+        "temperature), or tis_cap is below the engine's own gap"
+    )
 
 
 class RewardDivergence:

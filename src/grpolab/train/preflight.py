@@ -64,6 +64,7 @@ def settings_from_config(cfg: Config, objective: Objective | None = None) -> Pre
         seed=cfg.seed,
         shared_prefix=cfg.runtime.shared_prefix,
         grad_rows=BatchPlan.of(cfg).micro,  # the trainer's forward + backward rows
+        minibatch=BatchPlan.of(cfg).minibatch,  # rows per optimizer step
     )
 
 
@@ -86,6 +87,7 @@ def sample_batch(run: Run) -> tuple[PreflightBatch, list[str]]:
         G,
         None if rollout.engine_logprobs is None else rollout.engine_logprobs.to(device),
         unscored_functions(scores),
+        tuple(run.engine.stop_ids),
     )
     return batch, rollout.completions
 

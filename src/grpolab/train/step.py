@@ -119,6 +119,8 @@ class UpdateStats:
     tis_capped: float = 0.0  # tokens whose importance weight hit the cap
     tis_weight: float = 0.0  # sum of the importance weights
     tis_tokens: float = 0.0
+    tis_capped_rows: float = 0.0  # sequences with a weight that hit the cap
+    tis_rows: float = 0.0  # sequences in the loss
 
 
 def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], StepBatch]:
@@ -499,6 +501,8 @@ def engine_weights(run: Run, old, engine, mask, stats: UpdateStats) -> torch.Ten
     stats.tis_capped += float((hit * mask).sum())
     stats.tis_weight += float((weights * mask).sum())
     stats.tis_tokens += float(mask.sum())
+    stats.tis_capped_rows += float(((hit * mask).sum(1) > 0).sum())
+    stats.tis_rows += float((mask.sum(1) > 0).sum())
     return weights
 
 
@@ -542,6 +546,23 @@ def skip_metrics(batch: StepBatch, stats: UpdateStats) -> dict[str, float]:
     }
 
 
+def tis_metrics(o, stats: UpdateStats, d) -> dict[str, float]:
+    """The importance weights over all ranks: their mean, the share of tokens and of sequences
+    the cap truncated or dropped, and under tis_mode *_mask the share dropped (all of them:
+    the loss was exactly 0, which the loop stops on)."""
+    tokens = max(dist_module.all_sum(stats.tis_tokens, d), 1.0)
+    rows = max(dist_module.all_sum(stats.tis_rows, d), 1.0)
+    capped = dist_module.all_sum(stats.tis_capped, d) / tokens
+    metrics = {
+        "tis/weight_mean": dist_module.all_sum(stats.tis_weight, d) / tokens,
+        "tis/capped_frac": capped,
+        "tis/capped_seq_frac": dist_module.all_sum(stats.tis_capped_rows, d) / rows,
+    }
+    if o.tis_mode.endswith("mask"):
+        metrics["tis/dropped_frac"] = capped
+    return metrics
+
+
 def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, Any]:
     """The step's metrics, over all ranks: token-weighted sums added, worst cases (monitor/*)
     maxed, the rest averaged."""
@@ -575,8 +596,7 @@ def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, An
             stats.engine_gap_tokens, 1.0
         )
     if run.objective.tis_cap is not None:
-        metrics["tis/weight_mean"] = stats.tis_weight / max(stats.tis_tokens, 1.0)
-        metrics["tis/capped_frac"] = stats.tis_capped / max(stats.tis_tokens, 1.0)
+        metrics |= tis_metrics(run.objective, stats, d)
     metrics |= batch.sampling
     metrics |= batch.timings
     metrics["time/step"] = sum(batch.timings.values())

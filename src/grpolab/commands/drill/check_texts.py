@@ -39,15 +39,21 @@ CHECK_NAMES: dict[str, dict[str, str]] = {
     "kl.nonnegative": {"en": "never negative", "zh": "恒非负"},
     "kl.identical": {"en": "0 for identical policies", "zh": "两个策略相同时为 0"},
     "kl.tracks_exact": {"en": "mean equals the true KL", "zh": "均值等于真实 KL"},
+    "kl.gradient": {"en": "its gradient, not only its value", "zh": "不只取值对，梯度也对"},
     "norm.aggregation": {"en": "the declared aggregation", "zh": "声明的归一化方式"},
     "norm.masked_gradient": {
         "en": "prompt and padding: no gradient",
         "zh": "prompt 和 padding 没有梯度",
     },
+    "norm.eos": {"en": "the EOS is trained", "zh": "结尾的 EOS 参与训练"},
     "loss.finite": {"en": "loss is a finite scalar", "zh": "loss 是有限的标量"},
     "loss.metrics": {"en": "metrics masked", "zh": "监控指标只在 mask 内统计"},
     "loss.sgd_direction": {"en": "a step goes the right way", "zh": "一步更新方向正确"},
     "engine.agreement": {"en": "engine agrees with trainer", "zh": "推理引擎与训练端一致"},
+    "engine.trained_tokens": {
+        "en": "trains the tokens the engine sampled",
+        "zh": "训练的正是推理引擎采样的 token",
+    },
     "rewards.variance": {"en": "some group varies", "zh": "至少一组奖励有差异"},
 }
 
@@ -143,6 +149,14 @@ CHECK_ZH: dict[str, dict[str, str]] = {
             "E_p[估计值] 与精确 KL 的最大相对误差（KL 为 {kl}，{n} 个样本的均值为 {mean}）"
         ),
     },
+    "kl.gradient": {
+        "max relative gap of the KL's gradient to float64 ({est}): kl_k3's {k3}, the loss's KL "
+        "term's {term} ({n} tokens); d loss / d beta {dbeta}": (
+            "KL 梯度与 float64 的最大相对误差（{est}）：kl_k3 的 {k3}，loss 中 KL 项的 {term}"
+            "（{n} 个 token）；d loss / d beta 为 {dbeta}"
+        ),
+        "<= 1e-4, d loss / d beta != 0": "<= 1e-4，且 d loss / d beta != 0",
+    },
     "norm.aggregation": {
         "|loss - {agg}-mean| on unequal lengths ({others})": (
             "长度不等的序列上 |loss - 按 {agg} 方式的平均|（其他方式：{others}）"
@@ -151,6 +165,13 @@ CHECK_ZH: dict[str, dict[str, str]] = {
     "norm.masked_gradient": {
         "max |d loss / d logp| on prompt and padding positions": (
             "prompt 和 padding 位置上 |d loss / d logp| 的最大值"
+        ),
+    },
+    "norm.eos": {
+        "completions whose EOS is out of the loss mask or gets no gradient, of {n} ({s} ended "
+        "in EOS as sampled, the rest given one)": (
+            "EOS 不在 loss 的 mask 内、或没有梯度的 completion 数（共 {n} 个；{s} 个采样时以 EOS "
+            "结束，其余补上了 EOS）"
         ),
     },
     "loss.finite": {
@@ -171,6 +192,13 @@ CHECK_ZH: dict[str, dict[str, str]] = {
     "engine.agreement": {
         "engine vs trainer float32 logp: max gap (mean {mean})": (
             "推理引擎与训练端 float32 logp 的最大差（平均 {mean}）"
+        ),
+    },
+    "engine.trained_tokens": {
+        "positions trained that the engine did not sample ({extra}) or sampled and left out "
+        "({missing}), of {n}; rows whose counts differ: {rows}": (
+            "训练了但推理引擎没有采样的位置（{extra}）或采样了却被排除的位置（{missing}），"
+            "共 {n} 个；数量不一致的行：{rows}"
         ),
     },
     "rewards.variance": {

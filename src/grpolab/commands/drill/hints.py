@@ -436,6 +436,25 @@ HINTS: dict[str, list[dict[str, str]]] = {
             "zh": "d = logp_ref - logp_new",
         },
     ],
+    "kl.gradient": [
+        {
+            "en": "Your KL has the right value but not the right gradient: the KL term would "
+            "not pull the policy back towards the reference.",
+            "zh": "你的 KL 取值对，梯度却不对：这样的 KL 项不会把策略拉回参考策略。",
+        },
+        {
+            "en": "Nothing around the estimate may stop the gradient: no torch.no_grad, no "
+            ".detach() on logp_new or on exp(d). d(k3)/d(logp_new) is 1 - exp(d); only "
+            "logp_ref, the reference, is a constant.",
+            "zh": "估计值周围不能有任何东西截断梯度：不要 torch.no_grad，也不要对 logp_new 或 "
+            "exp(d) 调用 .detach()。d(k3)/d(logp_new) = 1 - exp(d)；只有参考策略的 logp_ref "
+            "是常数。",
+        },
+        {
+            "en": "d = logp_ref - logp_new\nreturn torch.exp(d) - d - 1",
+            "zh": "d = logp_ref - logp_new\nreturn torch.exp(d) - d - 1",
+        },
+    ],
     # --- Goal 6: normalisation --------------------------------------------------------------
     "norm.aggregation": [
         {
@@ -470,6 +489,24 @@ HINTS: dict[str, list[dict[str, str]]] = {
         {
             "en": "mask = completion_mask[:, 1:]",
             "zh": "mask = completion_mask[:, 1:]",
+        },
+    ],
+    "norm.eos": [
+        {
+            "en": "The EOS that ends a completion is left out of your mask: the model would "
+            "never learn to stop.",
+            "zh": "结束 completion 的 EOS 不在你的 mask 里：模型永远学不会停下来。",
+        },
+        {
+            "en": "The EOS is a sampled token like any other. Padding is whatever follows it, "
+            "and many tokenizers pad with the EOS id itself: find padding with "
+            "completion_mask, never by comparing token ids.",
+            "zh": "EOS 和其他采样出的 token 一样。padding 是它后面的东西，而很多分词器就用 EOS "
+            "的 id 做 padding：用 completion_mask 找 padding，不要比较 token id。",
+        },
+        {
+            "en": "mask = completion_mask[:, 1:].float()",
+            "zh": "mask = completion_mask[:, 1:].float()",
         },
     ],
     # --- Goal 7: the assembled loss ---------------------------------------------------------
