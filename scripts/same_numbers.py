@@ -3,9 +3,12 @@ another commit's, and compare metrics.jsonl (wall-clock metrics aside; metrics o
 tree logs are listed, not compared) and the final weights bit for bit.
 
     .venv/bin/python scripts/same_numbers.py BASE_REV [--only demo,lora,...] [--keep DIR]
+        [--new-only KEY=VALUE ...]
 
 BASE_REV is checked out into a temporary git worktree; both trees run in this environment
-(PYTHONPATH selects the tree). Exit 0 when every run is identical, 1 otherwise. A whole
+(PYTHONPATH selects the tree); `--new-only` overrides go to this tree's runs alone (a key the
+base does not have, e.g. to turn a new path off). Exit 0 when every run is identical, 1
+otherwise. A whole
 pass (the 400-step demo and eight short runs, twice) takes about 13 minutes on 2 cores.
 """
 
@@ -91,8 +94,9 @@ def run(tree: Path, launcher: str, overrides: list[str], out: Path, extra=()) ->
         raise RuntimeError(f"{' '.join(cmd)} failed in {tree}:\n{done.stderr[-3000:]}")
 
 
-def one(tree: Path, name: str, out: Path) -> None:
+def one(tree: Path, name: str, out: Path, extra: tuple[str, ...] = ()) -> None:
     launcher, overrides, resume_at = RUNS[name]
+    overrides = [*overrides, *extra]
     if resume_at is None:
         run(tree, launcher, overrides, out)
         return
@@ -147,6 +151,7 @@ def main() -> int:
     parser.add_argument("base", help="the commit to compare with (e.g. HEAD~3)")
     parser.add_argument("--only", help="comma-separated run names: " + ", ".join(RUNS))
     parser.add_argument("--keep", help="keep the run directories here")
+    parser.add_argument("--new-only", nargs="*", default=[], help="overrides for this tree alone")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(RUNS)
     unknown = [n for n in names if n not in RUNS]
@@ -164,8 +169,8 @@ def main() -> int:
         print(f"{'run':<20} result")
         for name in names:
             slug = name.replace(" ", "-").replace(">", "gt").replace("=", "")
-            for tree, side in ((base_tree, "base"), (ROOT, "new")):
-                one(tree, name, work / side / slug)
+            for tree, side, extra in ((base_tree, "base", ()), (ROOT, "new", args.new_only)):
+                one(tree, name, work / side / slug, tuple(extra))
             verdict = compare(work / "base" / slug, work / "new" / slug)
             failed += verdict is not None
             added = added_metrics(work / "base" / slug, work / "new" / slug)

@@ -5,9 +5,9 @@ printed (`pytest -rP tests/test_check_coverage.py`) and asserted.
 grpolab's own code: every batch check under the seed's objective and under each declared
 objective of test_checks.DECLARED (one full sweep each), the episode checks on probe episodes,
 and the checks on the whole run in two preflights of the demo (the second samples with top-k
-from bf16 copies, for the engine checks). A mutant: its named check alone
-(the others read nothing of it), under the objective that declares the option the bug is in,
-on the same inputs, where grpolab's own functions pass that check."""
+from bf16 copies and packs its micro-batches, for the engine and packing checks). A mutant:
+its named check alone (the others read nothing of it), under the objective that declares the
+option the bug is in, on the same inputs, where grpolab's own functions pass that check."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from test_checks import DECLARED, MENU_CAUGHT_BY, declared
 from test_engine_checks import BF16, registry_check, scored_batch, sync_mutant
+from test_packing import packing_exact
 
 from grpolab.check import CheckResult
 from grpolab.checks import registry
@@ -24,7 +25,7 @@ from grpolab.checks.rewards import check_reward_probes
 from grpolab.checks.runner import run_check, run_checks, run_episode_checks
 from grpolab.config import load_config
 from grpolab.core import CoreFunctions
-from grpolab.functions import load_episode_impl, load_impl
+from grpolab.functions import core_functions, load_episode_impl, load_impl
 from grpolab.model.policy import build_tiny_model
 from grpolab.rewards import load_rewards
 from grpolab.rewards.probes import probe_rows, run_probes
@@ -43,6 +44,9 @@ PREFLIGHT = ["rollout.max_completion_length=6", "batch.num_generations=4"]
 # The engine checks that need a sampler option or an engine with weights of its own: top-k
 # sampling, and the hf engine's bf16 copies that the weight sync must bring up to date.
 ENGINE_COPY = [*PREFLIGHT, "rollout.top_k=12", "runtime.precision=bf16"]
+# A token budget per micro-batch: packing.exact runs (the checks' batch as test_packing cuts it).
+PACKED = ["batch.num_generations=4", "batch.prompts_per_step=4",
+          "rollout.max_completion_length=8", "batch.max_tokens_per_microbatch=4096"]  # fmt: skip
 
 
 class OwnCode:
@@ -59,7 +63,8 @@ class OwnCode:
             elif name == "preflight":
                 self.cache[name] = preflight(load_config(None, PREFLIGHT))
             elif name == "preflight_engine_copy":
-                self.cache[name] = preflight(load_config(None, ENGINE_COPY))
+                overrides = [*ENGINE_COPY, "batch.max_tokens_per_microbatch=4096"]
+                self.cache[name] = preflight(load_config(None, overrides))
             else:
                 settings = declared(OBJECTIVES[name])
                 self.cache[name] = run_checks(self.model, self.batch, settings)
@@ -126,6 +131,9 @@ def named_check(mutant: str | None, check_id: str, declares: dict, inputs) -> li
     if check_id.startswith("rewards."):
         return [reward_probe(path, check_id)]
     impl = CoreFunctions() if path is None else load_impl(path)
+    if check_id == "packing.exact":  # the trainer packs on the fused path
+        impl = core_functions("fused") if path is None else impl
+        return [packing_exact(impl, model, batch, load_config(None, PACKED))]
     if check.stage == "batch":
         return run_checks(model, batch, declared(declares), impl=impl, only={check_id})
     return [run_check(check, Context(impl, declared(declares), model, batch))]

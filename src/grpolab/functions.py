@@ -39,7 +39,13 @@ def core_functions(
     if logprobs == "fused":
 
         def sequence_logprobs(
-            model, input_ids, attention_mask, completion_mask, temperature=1.0, return_entropy=False
+            model,
+            input_ids,
+            attention_mask,
+            completion_mask,
+            temperature=1.0,
+            return_entropy=False,
+            packed=False,
         ):
             return token_logprobs(
                 model,
@@ -50,6 +56,7 @@ def core_functions(
                 impl="fused",
                 return_entropy=return_entropy,
                 shared_prefix=shared_prefix,
+                packed=packed,
             )
 
         table.sequence_logprobs = sequence_logprobs
@@ -65,11 +72,12 @@ def core_functions(
 
 # Keywords a step passes that a user's function may leave out of its signature: the
 # conventions (the preflight checks it computes the declared one), the entropy, which only the
-# entropy bonus reads (the preflight requires it then), and the request for it.
+# entropy bonus reads (the preflight requires it then), the request for it, and the request
+# to pack the rows without padding (the same values padded: a function without it pads).
 OPTIONAL_KEYWORDS = {
     "grpo_loss": frozenset(CONVENTION_KWARGS) | {"entropy"},
     "group_advantages": frozenset(CONVENTION_KWARGS),
-    "sequence_logprobs": frozenset({"return_entropy"}),
+    "sequence_logprobs": frozenset({"return_entropy", "packed"}),
 }
 
 

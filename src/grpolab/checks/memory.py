@@ -27,13 +27,18 @@ from grpolab.rollout.common import encode_prompts
 
 def worst_case(ctx):
     """Forward + backward of one micro-batch at the longest prompt + max_completion_length
-    (each group's G rows sharing their prompt, as a rollout's do), measured; then the peak of
-    a training step predicted from it and from what the run holds (`MemoryBreakdown`)."""
+    (each group's G rows sharing their prompt, as a rollout's do; under a token budget as many
+    such rows as one packed micro-batch holds, packed), measured; then the peak of a training
+    step predicted from it and from what the run holds (`MemoryBreakdown`)."""
     run, impl = ctx.run, ctx.impl
     ctx.release("float64 copy")  # the preflight's, not a training step's
     cfg, model = run.cfg, run.model
     prompt_tokens = longest_prompt_tokens(run)
     rows, L = run.plan.micro, cfg.rollout.episode_budget()  # an episode: every token after it
+    budget = cfg.batch.max_tokens_per_microbatch
+    packed = {"packed": True} if budget and ctx.takes("sequence_logprobs", "packed") else {}
+    if budget is not None:  # as many worst-case rows as one packed micro-batch holds
+        rows = budget_rows(budget, prompt_tokens, L, cfg.batch.num_generations, rows)
     ctx.say(f"the worst-case memory: {rows} rows of {prompt_tokens} + {L} tokens, forward and "
             "backward")  # fmt: skip
     device = next(model.parameters()).device
@@ -43,8 +48,9 @@ def worst_case(ctx):
     tic = time.perf_counter()
     with peak_memory(device) as probe:
         logp, mask = impl.sequence_logprobs(
-            model, input_ids, attention_mask, completion_mask, cfg.rollout.temperature or 1.0
-        )
+            model, input_ids, attention_mask, completion_mask, cfg.rollout.temperature or 1.0,
+            **packed,
+        )  # fmt: skip
         loss, _ = impl.grpo_loss(
             logp, logp.detach(), None, torch.ones(rows, device=device), mask,
             loss_agg=cfg.objective.loss_type, max_completion_length=L,
@@ -67,6 +73,16 @@ def worst_case(ctx):
         "fits" if limit is None else f"<= {limit:.0f} MB (this machine)",
         limit is None or breakdown.peak <= limit,
     )
+
+
+def budget_rows(budget: int, prompt_tokens: int, L: int, G: int, most: int) -> int:
+    """The most rows of prompt_tokens + L tokens (each group of G sharing its prompt) that
+    pack into `budget` positions, at least 1 (a row over the budget runs alone), at most
+    `most`."""
+    rows = 1
+    while rows < most and -(-(rows + 1) // G) * prompt_tokens + (rows + 1) * L <= budget:
+        rows += 1
+    return rows
 
 
 def _worst_batch(ctx, prompt_tokens: int, rows: int, L: int, device):

@@ -18,6 +18,7 @@ from grpolab.checks import (
     loss,
     memory,
     normalisation,
+    packing,
     ratio,
     rewards,
     sampling,
@@ -50,6 +51,7 @@ ALL: tuple[Check, ...] = (
     *(demand.check for demand in rewards.PROBES),
     *gradients.CHECKS,
     *sync.CHECKS,
+    *packing.CHECKS,
     *memory.CHECKS,
 )
 BY_ID: dict[str, Check] = {c.id: c for c in ALL}

@@ -27,6 +27,17 @@ class BatchConfig:
     generation_batch_size: int | None = None
     mini_batch_size: int | None = None  # sequences per optimizer step; None = the whole batch
     gradient_accumulation_steps: int = key(1, **_int_at_least(1))
+    # Micro-batches cut by tokens too: each of the gradient_accumulation_steps micro-batches
+    # cut again into consecutive rows that run at most this many positions packed into one
+    # sequence without padding, each group's prompt once (model/packed.py; a row longer than
+    # the budget runs alone). The same gradient as padded, to rounding (the preflight's
+    # packing.exact); for long, uneven completions. null: the micro-batches padded.
+    max_tokens_per_microbatch: int | None = key(
+        None,
+        check=lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 2),
+        expected="null or an integer >= 2",
+        resume_free=True,
+    )
 
     @property
     def size(self) -> int:

@@ -161,6 +161,9 @@ def validate_world(cfg: Config, world: int) -> None:
     for ok, name, value, expected in (
         (cfg.lora.r == 0 or cfg.parallel.strategy == "ddp", "lora.r", cfg.lora.r,
          "0 under parallel.strategy=fsdp (LoRA's adapters are small: use parallel.strategy=ddp)"),
+        (b.max_tokens_per_microbatch is None or cfg.parallel.strategy == "ddp",
+         "batch.max_tokens_per_microbatch", b.max_tokens_per_microbatch,
+         "null under parallel.strategy=fsdp (its ranks must run the same forwards)"),
         (b.prompts_per_step % world == 0, "batch.prompts_per_step", b.prompts_per_step,
          f"a multiple of the world size {world} (each rank takes whole groups)"),
         (not cfg.objective.dynamic_sampling or world == 1, "objective.dynamic_sampling",

@@ -164,6 +164,17 @@ def forget_casts_on_step(optimizer: torch.optim.Optimizer) -> None:
 CPU_FLOAT32_ATTENTION_MAX_KEYS = 256
 
 
+def float32_attention(keys: int, device: torch.device) -> bool:
+    """Whether attention over `keys` keys runs in float32 under the bf16 autocast on
+    `device`: short attention on a CPU (CPU_FLOAT32_ATTENTION_MAX_KEYS)."""
+    return (
+        device.type == "cpu"
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and keys <= CPU_FLOAT32_ATTENTION_MAX_KEYS
+    )
+
+
 class _Bf16Forward(TorchFunctionMode):
     """Inside a bf16 autocast region: every `F.linear` on a float32 weight reads its cached
     `dtype` copy (autocast then casts only the activations), and short attention on the CPU

@@ -17,14 +17,24 @@ computes. Only one [rows, V] distribution exists at a time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import logging
 import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from grpolab.core import position_ids
+from grpolab.model.decoder import (
+    Decoder,
+    KVCache,
+    PackedLinears,
+    cpu_float32_attention,
+    verify_decoder,
+)
 from grpolab.model.lora import is_lora, lora_layers, merged_lora_weight, plain_lora
 from grpolab.model.policy import base_model, eval_mode, plain_kv_cache
 from grpolab.model.precision import (
@@ -55,6 +65,11 @@ from grpolab.rollout.episodes import (
 )
 from grpolab.schema import key
 
+log = logging.getLogger("grpolab")
+
+# Models whose decode steps run through their forward, the reason logged once.
+_DECODER_REFUSED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
 
 @dataclass(frozen=True)
 class HFEngineConfig:
@@ -71,11 +86,19 @@ class HFEngineConfig:
     sampler: str = key(
         "multinomial", choices=tuple(SAMPLERS), legacy="rollout.sampler", resume_free=True
     )
+    # Decode steps through grpolab's own step on a preallocated KV cache (`model.decoder`:
+    # the same arithmetic on the same weights without the module stack) where the model's
+    # structure allows, verified once per model against its forward; off: every step
+    # through the model's forward.
+    fast_decode: bool = key(True, resume_free=True)
 
     def memory_mb(self, weights_mb: float, kv_cache_mb: float, device) -> float:
         """What sampling holds beside the training model: the batch's KV cache (the engine
-        samples with the trainer's own weights)."""
-        return kv_cache_mb
+        samples with the trainer's own weights) and, for the decode step on a CPU, its
+        packed copy of the weights (`model.decoder.PackedLinears`: at most their own size,
+        half of it in bf16)."""
+        packed = weights_mb if self.fast_decode and device.type == "cpu" else 0.0
+        return kv_cache_mb + packed
 
 
 class HFEngine(RolloutEngine):
@@ -100,6 +123,7 @@ class HFEngine(RolloutEngine):
         episodes: EpisodeSetup | None = None,
         precision: Precision = FP32,
         sync_tolerance: float | None = None,
+        fast_decode: bool = True,
     ):
         self.model = model
         self.precision = precision
@@ -115,6 +139,8 @@ class HFEngine(RolloutEngine):
         self.chat_template = chat_template
         self.system_prompt = system_prompt
         self.shared_prefill = shared_prefill
+        self.fast_decode = fast_decode
+        self._packs: PackedLinears | None = None  # the decode step's packed weights
         config = model.config
         self.context_length = getattr(config, "max_position_embeddings", None)
         model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -143,6 +169,7 @@ class HFEngine(RolloutEngine):
             episodes=episodes,
             precision=precision,
             sync_tolerance=cfg.sync_tolerance,
+            fast_decode=cfg.hf.fast_decode,
         )
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -237,17 +264,17 @@ class HFEngine(RolloutEngine):
             return self._generate_episodes(
                 prompts, prompt_ids, input_ids, attention_mask, G, params
             )
-        with self.sampling_context():
-            completions, logprobs = decode(
-                self.model,
-                input_ids.to(device),
-                attention_mask.to(device),
-                G,
-                params,
-                self.stop_ids,
-                self.pad_id,
-                shared_prefill=self.shared_prefill,
-            )
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        args = (input_ids, attention_mask, G, params, self.stop_ids, self.pad_id)
+        decoder = self.decoder(input_ids, attention_mask)
+        if decoder is None:
+            with self.sampling_context():
+                completions, logprobs = decode(self.model, *args, self.shared_prefill)
+        else:  # the prefill in the sampling context, the steps in the decoder's own
+            with eval_mode(self.model):
+                completions, logprobs = decode(
+                    self.model, *args, self.shared_prefill, decoder, self.sampling_context
+                )
         return assemble_rollout(
             prompts,
             prompt_ids,
@@ -258,6 +285,33 @@ class HFEngine(RolloutEngine):
             self.pad_id,
             self.tokenizer,
         )
+
+    def decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Decoder | None:
+        """The decode step this engine's single-turn rollouts run (`model.decoder`), made for
+        the weights it samples now, or None where the model's forward decodes: fast_decode
+        off, a sharded model, a model the step does not reproduce (verified once per model
+        on the batch's first prompt), a LoRA variant that is not merged under bf16."""
+        model = self.model
+        if not self.fast_decode or is_sharded(model):
+            return None
+        probe = input_ids[0][attention_mask[0].bool()]
+        with eval_mode(model):  # the weights as the step applies them, not packed
+            reason = verify_decoder(model, probe, functools.partial(plain_projection, None))
+        if reason is not None:
+            if model not in _DECODER_REFUSED:
+                _DECODER_REFUSED.add(model)
+                log.info("hf engine: decoding through the model's forward: %s", reason)
+            return None
+        if self._packs is None:
+            self._packs = PackedLinears(rows=input_ids.shape[0])
+        if not self.precision.bf16:
+            project = functools.partial(plain_projection, self._packs)
+            return Decoder(model, project, next(model.parameters()).dtype)
+        merged = self.merged_copies(model)
+        if merged is None and is_lora(model):
+            return None  # adapters that are not merged run through the model's forward
+        project = functools.partial(bf16_projection, self._packs, merged)
+        return Decoder(model, project, torch.bfloat16, cpu_float32_attention(input_ids.device))
 
     def _generate_episodes(self, prompts, prompt_ids, input_ids, attention_mask, G, params):
         episodes = self._decode_episodes(prompts, input_ids, attention_mask, G, params)
@@ -398,7 +452,8 @@ def sample_next(
         tokens = logits.argmax(dim=-1)
         logp = torch.log_softmax(logits, dim=-1)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-    scaled = logits / params.temperature  # [n, V]
+    # (x / 1 is x exactly: no pass over [n, V] at the usual temperature)
+    scaled = logits if params.temperature == 1 else logits / params.temperature  # [n, V]
     logp = torch.log_softmax(scaled, dim=-1)
     kept = truncate(scaled, params.top_k, params.top_p)
     tokens = SAMPLERS[params.sampler](torch.softmax(kept, dim=-1), generator)
@@ -429,9 +484,13 @@ def is_sharded(model) -> bool:
     return type(model).__name__.startswith("FSDP")
 
 
-def prefill(model, input_ids, attention_mask, G: int, shared_prefill: bool = True):
+def prefill(
+    model, input_ids, attention_mask, G: int, shared_prefill: bool = True, repeat_cache=True
+):
     """The prompts' forward for their G samples each: (output with the KV cache and the
-    last position's logits [B, 1, V], attention mask [B, P], position ids [B, P])."""
+    last position's logits [B, 1, V], attention mask [B, P], position ids [B, P]). When the
+    prefill ran once per prompt and not repeat_cache, the cache and logits keep one row per
+    prompt ([n, ...]: whoever reads them repeats them)."""
     signature = inspect.signature(base_model(model).forward)  # peft: **kwargs reach the base
     keep_logits = "logits_to_keep" in signature.parameters
     last_only = {"logits_to_keep": 1} if keep_logits else {}
@@ -452,8 +511,9 @@ def prefill(model, input_ids, attention_mask, G: int, shared_prefill: bool = Tru
         )
         cache = out.past_key_values
         if plain_kv_cache(cache):
-            cache.batch_repeat_interleave(G)
-            out.logits = out.logits.repeat_interleave(G, dim=0)
+            if repeat_cache:
+                cache.batch_repeat_interleave(G)
+                out.logits = out.logits.repeat_interleave(G, dim=0)
         else:  # sliding-window, hybrid: not a plain per-layer concatenation
             _CACHE_NOT_PLAIN.add(model)  # seen once: later rollouts prefill per row at once
             cache = None
@@ -477,26 +537,36 @@ def decode(
     stop_ids: list[int],
     pad_id: int,
     shared_prefill: bool = True,
+    decoder: Decoder | None = None,
+    prefill_context=contextlib.nullcontext,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """G completions per prompt row of input_ids [n, P] (left-padded), rows in prompt order,
-    each cut after its first stop token. Returns (token ids, their log-probs) per sample."""
-    device = input_ids.device
-    B = input_ids.shape[0] * G
-    generator = torch.Generator(device=device).manual_seed(params.seed)
+    each cut after its first stop token. Returns (token ids, their log-probs) per sample.
+    decoder: the steps after the prefill run through it on a preallocated cache
+    (`CacheSteps`), else through the model's forward (`ForwardSteps`); prefill_context: what
+    the prefill runs in (the engine's sampling context, when the steps run outside it)."""
     # FSDP2: every rank runs the same forwards (collectives inside), so no rank leaves the
     # loop early and finished rows stay in the batch.
     sharded = is_sharded(model)
-    out, mask, positions = prefill(model, input_ids, attention_mask, G, shared_prefill)
-    cache = out.past_key_values
-    next_position = positions[:, -1] + 1  # [B]
-    rows = torch.arange(B, device=device)  # sample index of each batch row
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    stops = torch.tensor(stop_ids, device=device)
-    steps = []  # per step: (sample indices, tokens, log-probs) of the rows still writing
+    with prefill_context():
+        out, mask, positions = prefill(
+            model, input_ids, attention_mask, G, shared_prefill, repeat_cache=decoder is None
+        )
+    if decoder is None:
+        steps = ForwardSteps(model, out, mask, positions)
+    else:
+        length = input_ids.shape[1] + params.max_completion_length
+        steps = CacheSteps(decoder, out, mask, positions, length)
+    generator = torch.Generator(device=input_ids.device).manual_seed(params.seed)
+    B = input_ids.shape[0] * G
+    rows = torch.arange(B, device=input_ids.device)  # sample index of each batch row
+    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    stops = torch.tensor(stop_ids, device=input_ids.device)
+    drawn = []  # per step: (sample indices, tokens, log-probs) of the rows still writing
     for step in range(params.max_completion_length):
-        tokens, logp = sample_next(out.logits[:, -1], params, generator)  # [rows]
+        tokens, logp = draw_in_sample_order(steps.logits, rows, params, generator)  # [rows]
         writing = ~finished[rows]
-        steps.append((rows[writing], tokens[writing], logp[writing]))
+        drawn.append((rows[writing], tokens[writing], logp[writing]))
         finished[rows[writing & torch.isin(tokens, stops)]] = True
         if step + 1 == params.max_completion_length:
             break
@@ -510,15 +580,121 @@ def decode(
             stay = ~finished[rows]
             if not bool(stay.any()):
                 break
-            rows, tokens, mask, next_position = leave_batch(
-                stay, cache, rows, tokens, mask, next_position
-            )
-        out, mask, next_position = feed(model, cache, tokens, mask, next_position)
+            kept = steps.keep(stay)
+            if kept is not None:
+                rows, tokens = rows[kept], tokens[kept]
+        steps.feed(tokens)
+    return per_sample(drawn, B)
 
+
+def draw_in_sample_order(logits, rows, params: SamplingParams, generator):
+    """sample_next on logits [b, V] whose rows hold samples `rows` [b] in any order: the rows
+    drawn in sample order, so that the generator's numbers go to the same samples however
+    the batch is ordered (CacheSteps moves rows) -> (tokens [b], log-probs [b])."""
+    if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
+        return sample_next(logits, params, generator)
+    order = torch.argsort(rows)
+    tokens, logp = sample_next(logits[order], params, generator)
+    return tokens.new_empty(tokens.shape).index_copy_(0, order, tokens), logp.new_empty(
+        logp.shape
+    ).index_copy_(0, order, logp)
+
+
+def per_sample(drawn, B: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The decode loop's per-step draws -> (token ids, log-probs) per sample, in order."""
     completions: list[list[int]] = [[] for _ in range(B)]
     logprobs: list[list[float]] = [[] for _ in range(B)]
-    for sample, token, lp in steps:
+    for sample, token, lp in drawn:
         for i, t, v in zip(sample.tolist(), token.tolist(), lp.tolist(), strict=True):
             completions[i].append(t)
             logprobs[i].append(v)
     return completions, logprobs
+
+
+class ForwardSteps:
+    """Decode steps through the model's own forward and KV cache (any model): `logits` [b, V]
+    of the rows still in the batch, `keep` (rows leave the batch and the cache), `feed`."""
+
+    def __init__(self, model, out, mask: torch.Tensor, positions: torch.Tensor):
+        self.model, self.cache = model, out.past_key_values
+        self.logits = out.logits[:, -1]
+        self.mask, self.next_position = mask, positions[:, -1] + 1  # [b, t], [b]
+
+    def keep(self, stay: torch.Tensor) -> torch.Tensor | None:
+        """Keep the rows where stay [b] is true -> their indices, None when all stay."""
+        if bool(stay.all()):
+            return None
+        index = stay.nonzero().squeeze(1)
+        self.cache.batch_select_indices(index)
+        self.mask, self.next_position = self.mask[index], self.next_position[index]
+        return index
+
+    def feed(self, tokens: torch.Tensor) -> None:
+        out, self.mask, self.next_position = feed(
+            self.model, self.cache, tokens, self.mask, self.next_position
+        )
+        self.logits = out.logits[:, -1]
+
+
+class CacheSteps:
+    """Decode steps through a `Decoder` on a preallocated `KVCache` filled from the prefill,
+    with room for `length` positions; the same interface as ForwardSteps (rows leave by
+    taking each other's place: `keep` returns the new order)."""
+
+    def __init__(self, decoder: Decoder, out, mask, positions, length: int):
+        repeat = mask.shape[0] // out.logits.shape[0]  # G when the prefill ran once per prompt
+        self.decoder = decoder
+        self.cache = KVCache.from_prefill(out.past_key_values, mask, repeat, length)
+        self.logits = out.logits[:, -1].repeat_interleave(repeat, dim=0)
+        self.next_position = positions[:, -1] + 1  # [b]
+
+    def keep(self, stay: torch.Tensor) -> torch.Tensor | None:
+        order = self.cache.keep(stay)
+        if order is not None:
+            self.next_position = self.next_position[order]
+        return order
+
+    def feed(self, tokens: torch.Tensor) -> None:
+        self.logits = self.decoder.step(tokens, self.next_position, self.cache)
+        self.next_position = self.next_position + 1
+
+
+def plain_projection(packs: PackedLinears | None, module: torch.nn.Module):
+    """The decode step's function for a linear layer in the model's own precision: a plain
+    Linear's weight (packed, unless packs is None) and bias; a plain LoRA layer's base the
+    same way, then its adapters added as peft adds them (eval mode: no dropout); any other
+    layer called."""
+    linear = packs.linear if packs is not None else PackedLinears.unpacked
+    if type(module) is torch.nn.Linear:
+        return linear(module.weight, module.bias)
+    if not (hasattr(module, "base_layer") and plain_lora(module)):
+        return module
+    base = linear(module.base_layer.weight, module.base_layer.bias)
+    adapters = [
+        (module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name])
+        for name in module.active_adapters
+        if name in module.lora_A
+    ]
+
+    def lora(x: torch.Tensor) -> torch.Tensor:
+        result = base(x)
+        for a, b, scaling in adapters:
+            result = result + F.linear(F.linear(x, a), b) * scaling
+        return result
+
+    return lora
+
+
+def bf16_projection(packs: PackedLinears, merged, module: torch.nn.Module):
+    """The decode step's function for a linear layer under bf16, what the sampling context's
+    autocast multiplies: the LoRA-merged copy of its base weight where there is one (`merged`),
+    else the cached bf16 copy of its weight (packed either way); the bias in bf16, as
+    autocast casts it."""
+    base = getattr(module, "base_layer", module)
+    weight = base.weight
+    if merged is not None and weight in merged:
+        low = merged[weight]
+    else:
+        low = cached_cast(weight, torch.bfloat16)
+    bias = None if base.bias is None else base.bias.to(torch.bfloat16)
+    return packs.linear(low, bias)

@@ -22,6 +22,7 @@ import torch
 from grpolab import core, seeds
 from grpolab.config import skips_zero_advantage
 from grpolab.model import dist as dist_module
+from grpolab.model.packed import token_budget_parts
 from grpolab.model.precision import autocast
 from grpolab.rewards import RewardResult, flat_verdicts, score
 from grpolab.rollout.base import Rollout
@@ -340,15 +341,15 @@ def logprobs_before_update(
 def logprobs_in_chunks(run: Run, model: torch.nn.Module, batch: StepBatch) -> torch.Tensor:
     """Log-probs of the whole batch under `model`, micro-batch by micro-batch, no grad:
     [B, T-1]."""
-    chunk, out = run.plan.micro, []
-    for s in range(0, batch.rows, chunk):
-        rows = slice(s, s + chunk)
+    out, packed = [], run.cfg.batch.max_tokens_per_microbatch is not None
+    for rows, _ in micro_batches(run, batch, torch.arange(batch.rows)):  # in order
         logp, _ = run.functions.sequence_logprobs(
             model,
             batch.input_ids[rows],
             batch.attention_mask[rows],
             batch.completion_mask[rows],
             run.cfg.rollout.temperature,
+            **({"packed": True} if packed else {}),
         )
         out.append(logp)
     return torch.cat(out)
@@ -389,7 +390,7 @@ def optimizer_step(
     """Accumulate the gradient of the minibatch `rows` over micro-batches, then clip and apply
     it, unless a loss, log-prob or gradient value is non-finite (then nothing reaches the
     weights or the optimizer moments, and the step counts as skipped)."""
-    cfg, d, plan = run.cfg, run.dist, run.plan
+    cfg, d = run.cfg, run.dist
     params = [p for p in run.model.parameters() if p.requires_grad]
     counted = batch.completion_mask if batch.normaliser_mask is None else batch.normaliser_mask
     minibatch_mask = counted[rows, 1:]  # [mini, T-1]
@@ -400,16 +401,7 @@ def optimizer_step(
     count = dist_module.all_sum(core.normaliser_count(run.objective.loss_type, minibatch_mask), d)
     run.optimizer.zero_grad(set_to_none=True)
     loss_total, nonfinite, ran = 0.0, None, False
-    for m_start in range(0, plan.minibatch, plan.micro):
-        # Ascending rows keep a group's samples adjacent (one prompt forward each).
-        micro_rows = rows[m_start : m_start + plan.micro].sort().values
-        last = m_start + plan.micro >= plan.minibatch
-        if batch.skip_rows is not None:  # their share of the gradient is exactly 0
-            kept = micro_rows[~batch.skip_rows[micro_rows]]
-            stats.rows_skipped += len(micro_rows) - len(kept)
-            micro_rows = kept
-            if not len(kept):
-                continue
+    for micro_rows, last in micro_batches(run, batch, rows, stats):
         stats.rows_run += len(micro_rows)
         ran = True
         # ddp: the last micro-batch's backward sums the accumulated gradients over ranks, bucket
@@ -440,6 +432,37 @@ def optimizer_step(
     stats.minibatch_losses.append(dist_module.all_sum(loss_total, d))
 
 
+def micro_batches(
+    run: Run, batch: StepBatch, rows: torch.Tensor, stats: UpdateStats | None = None
+) -> list[tuple[torch.Tensor, bool]]:
+    """Minibatch `rows` as micro-batches, each (its rows ascending, whether it is the last
+    cut): plan.micro rows each, each cut again under batch.max_tokens_per_microbatch into
+    consecutive rows packing into at most that many positions. With `stats`, the rows
+    without gradient are dropped (their share is exactly 0) and counted; a cut left empty
+    is not run."""
+    budget, micro = run.cfg.batch.max_tokens_per_microbatch, run.plan.micro
+    skip = batch.skip_rows if stats is not None else None
+    # Ascending rows keep a group's samples adjacent (one prompt forward each).
+    cuts = [rows[s : s + micro].sort().values for s in range(0, len(rows), micro)]
+    if budget is not None:
+        if skip is not None:
+            stats.rows_skipped += int(sum(skip[c].sum() for c in cuts))
+            cuts, skip = [c[~skip[c]] for c in cuts], None
+        fields = (batch.input_ids, batch.attention_mask, batch.completion_mask)
+        cuts = [
+            c[part] for c in cuts for part in token_budget_parts(*(f[c] for f in fields), budget)
+        ]
+    out = []
+    for i, cut in enumerate(cuts):
+        if skip is not None:
+            kept = cut[~skip[cut]]
+            stats.rows_skipped += len(cut) - len(kept)
+            cut = kept
+        if len(cut):
+            out.append((cut, i == len(cuts) - 1))
+    return out
+
+
 def micro_step(
     run: Run,
     batch: StepBatch,
@@ -459,6 +482,7 @@ def micro_step(
             batch.completion_mask[rows],
             cfg.rollout.temperature,
             return_entropy=True,  # dropped for a user's function without it (as_called)
+            packed=cfg.batch.max_tokens_per_microbatch is not None,  # the same, to rounding
         )  # [b, T-1], float32 whatever the matmul precision
     if batch.loss_rows is not None:
         mask = mask * batch.loss_rows[rows, None]
