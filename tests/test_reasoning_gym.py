@@ -11,19 +11,19 @@ import pytest
 
 pytest.importorskip("reasoning_gym")
 
-from grpolab.config import ConfigError, load_config  # noqa: E402
-from grpolab.config.load import load_warnings  # noqa: E402
-from grpolab.rewards import load_rewards, score  # noqa: E402
-from grpolab.rewards.probes import (  # noqa: E402
+from grpolab.config import ConfigError, load_config
+from grpolab.config.load import load_warnings
+from grpolab.rewards import load_rewards, score
+from grpolab.rewards.probes import (
     echo_findings,
     no_answer_findings,
     probe_task,
     reference_findings,
     wrong_findings,
 )
-from grpolab.tasks import TaskConfig, load_task  # noqa: E402
-from grpolab.tasks.gym import final_answer  # noqa: E402
-from grpolab.train.evaluate import task_strict_correct  # noqa: E402
+from grpolab.tasks import TaskConfig, load_task
+from grpolab.tasks.gym import final_answer
+from grpolab.train.evaluate import task_strict_correct
 
 SMALL = dict(name="reasoning_gym", num_eval=30, num_train=200)
 WEIGHTED = [{"name": "chain_sum", "weight": 3}, {"name": "leg_counting", "weight": 1}]
@@ -111,7 +111,7 @@ def test_the_reward_probes_pass_on_gym_score():
 
 
 def test_gym_score_under_another_task_is_refused():
-    with pytest.raises(ValueError, match="task.name=reasoning_gym"):
+    with pytest.raises(ValueError, match=r"task\.name=reasoning_gym"):
         load_rewards(["gym_score"], task=load_task(TaskConfig(num_eval=10)))
 
 
@@ -149,14 +149,18 @@ def test_config_keys_load_and_are_inert_under_another_task():
                                  "task.dataset_config.min_terms=3"])  # fmt: skip
     assert cfg.task.dataset == "chain_sum" and cfg.task.dataset_config == {"min_terms": 3}
     assert cfg.task.num_eval == 500 and load_warnings(cfg) == []
-    listed = load_config(overrides=["task.name=reasoning_gym",
-                                    "task.dataset=[chain_sum, {name: leg_counting, weight: 2}]"])
+    listed = load_config(
+        overrides=[
+            "task.name=reasoning_gym",
+            "task.dataset=[chain_sum, {name: leg_counting, weight: 2}]",
+        ]
+    )
     assert listed.task.dataset == ["chain_sum", {"name": "leg_counting", "weight": 2}]
     other = load_config(overrides=["task.dataset=chain_sum", "task.dataset_config.min_terms=3"])
     warned = " ".join(load_warnings(other))
     assert "task.dataset='chain_sum' has no effect with task.name=arithmetic" in warned
     assert "task.dataset_config=" in warned and other.task.dataset is None
-    with pytest.raises(ConfigError, match="task.dataset"):
+    with pytest.raises(ConfigError, match=r"task\.dataset"):
         load_config(overrides=["strict=true", "task.dataset=chain_sum"])
 
 

@@ -9,9 +9,10 @@
       - basic_arithmetic                         # weight 1, default parameters
 
 The prompt is the generator's question (task.prompt_template: "{prompt}" and the problem's
-metadata fields, e.g. "{expression} =" for chain_sum). Problems are drawn by reasoning-gym from task.seed: the first task.num_eval are held out, the
-training rows follow (task.num_train of them; 0: GYM_DEFAULT_TRAIN), a training problem whose
-question is a held-out one left out. The final answer of a completion (`final_answer`) is the
+metadata fields, e.g. "{expression} =" for chain_sum). Problems are drawn by reasoning-gym
+from task.seed: the first task.num_eval are held out, the training rows follow
+(task.num_train of them; 0: GYM_DEFAULT_TRAIN), a training problem whose question is a
+held-out one left out. The final answer of a completion (`final_answer`) is the
 last <answer>...</answer> (reasoning-gym's convention), else the last \\boxed{...}, else the
 line after the last "####", else what follows the last "answer is" / "answer:" on its line,
 else the whole completion; the generator's `score_answer` scores it against the row's entry
