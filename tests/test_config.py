@@ -309,6 +309,8 @@ INERT_CASES = [
     ["monitors.clip_frac_max=0.5", "monitors.action=off"],
     ["monitors.tis_capped_max=0.5"],
     ["parallel.ddp_bucket_mb=5", "parallel.strategy=fsdp"],
+    ["task.dataset=chain_sum"],
+    ["task.dataset_config={min_terms: 3}", "task.name=reasoning_gym", "task.dataset=[chain_sum]"],
 ]
 
 

@@ -403,7 +403,8 @@ def evaluate_model(cfg: Config, model, tokenizer, num_generations: int) -> dict[
         if task.has_references:
             length = cfg.eval.eval_max_completion_length or cfg.rollout.max_completion_length
             greedy = evaluate_greedy(engine, task.eval, accuracy_rewards(cfg.rewards, task),
-                                     length, cfg.eval_batch_size, task.answer_kind)  # fmt: skip
+                                     length, cfg.eval_batch_size, task.answer_kind,
+                                     judge=task.strict_judge)  # fmt: skip
             metrics |= {"accuracy": greedy.accuracy, "strict_accuracy": greedy.strict_accuracy}
     finally:
         engine.close()

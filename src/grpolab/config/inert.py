@@ -17,6 +17,7 @@ from grpolab.objective import PROFILE_YIELDS, PROFILES, UNITS
 from grpolab.rewards import BUILTIN_REWARDS
 from grpolab.rollout.vllm import VLLMEngineConfig
 from grpolab.schema import Inert
+from grpolab.tasks import GENERATED_TASKS
 from grpolab.ways import way
 
 
@@ -39,6 +40,7 @@ ARITHMETIC_KEYS = ("task.min_operand", "task.max_operand", "task.operators")
 FILE_TASK_KEYS = ("task.path", "task.eval_path", "task.subset", "task.split", "task.eval_split",
                   "task.prompt_field", "task.answer_field", "task.eval_fraction", "task.rows",
                   "task.eval_rows")  # fmt: skip
+GYM_KEYS = ("task.dataset", "task.dataset_config")
 EVAL_KEYS = ("eval.eval_steps", "eval.eval_examples", "eval.eval_max_completion_length")
 
 CONFIG_INERT = (
@@ -81,14 +83,19 @@ CONFIG_INERT = (
           "with a model that is not a GGUF file: it is where GGUF models are kept de-quantised"),
     Inert(ARITHMETIC_KEYS, ("task.name",), lambda c: c.task.name != "arithmetic",
           "with task.name={c.task.name}: it shapes the generated arithmetic problems"),
-    Inert(FILE_TASK_KEYS, ("task.name",), lambda c: c.task.name == "arithmetic",
-          "with task.name=arithmetic: its problems are generated, not read from rows"),
+    Inert(FILE_TASK_KEYS, ("task.name",), lambda c: c.task.name in GENERATED_TASKS,
+          "with task.name={c.task.name}: its problems are generated, not read from rows"),
+    Inert(GYM_KEYS, ("task.name",), lambda c: c.task.name != "reasoning_gym",
+          "with task.name={c.task.name}: it picks reasoning-gym's generators"),
+    Inert(("task.dataset_config",), ("task.dataset",),
+          lambda c: c.task.name == "reasoning_gym" and isinstance(c.task.dataset, list | tuple),
+          "with a list as task.dataset: each listed generator takes its own config"),
     Inert(("task.subset", "task.split", "task.eval_split"), ("task.path",),
-          lambda c: c.task.name != "arithmetic" and _local_file(c.task.path),
+          lambda c: c.task.name not in GENERATED_TASKS and _local_file(c.task.path),
           "with a local file as task.path: it picks a Hugging Face dataset's config or split "
           "(a local held-out file is task.eval_path)"),
     Inert(("task.subset", "task.split"), ("task.rows",),
-          lambda c: c.task.name != "arithmetic" and isinstance(c.task.rows, list),
+          lambda c: c.task.name not in GENERATED_TASKS and isinstance(c.task.rows, list),
           "with rows given in Python (task.rows): it picks a Hugging Face dataset's config or "
           "split"),
     Inert(("task.eval_fraction",), ("task.eval_path", "task.eval_split", "task.eval_rows"),

@@ -373,7 +373,20 @@ def _given_keys(layers: list[tuple[str, dict[str, Any]]]) -> dict[str, int]:
         for key in layer:
             if key != "__renamed__":
                 given[key] = level
+                given[_field_key(key)] = level  # task.dataset_config.min_terms: its field
     return given
+
+
+def _field_key(key: str) -> str:
+    """The declared field a dotted key is (or lies below: a key inside a mapping field such
+    as task.dataset_config)."""
+    tp: Any = Config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(tp):
+            return ".".join(parts[:i])
+        tp = typing.get_type_hints(tp).get(part)
+    return key
 
 
 def _file_layer(path: Path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from grpolab.rewards.builtin import (
     DEFAULT_FORMAT_PATTERN,
     make_accuracy,
     make_format,
+    make_gym_score,
     make_overlong,
 )
 from grpolab.rewards.functions import (
@@ -105,7 +106,7 @@ def load_rewards(
         cfg = RewardsConfig()
     elif not isinstance(cfg, RewardsConfig):
         cfg = RewardsConfig(functions=list(cfg))
-    task_name, kind = _task_judge(task)
+    kind = _task_judge(task)[1]
     weights = _checked_weights(cfg)
     out = Rewards()
     seen: dict[str, int] = {}
@@ -117,7 +118,7 @@ def load_rewards(
                 "(no 'answer' or 'solution' field; task.answer_field names another): name "
                 "the reward functions that judge them (rewards.functions, reward_funcs)"
             )
-        fn = _reward_callable(ref, cfg, task_name, kind, max_completion_length)
+        fn = _reward_callable(ref, cfg, task, kind, max_completion_length)
         name = _display(ref)
         seen[name] = seen.get(name, 0) + 1
         if seen[name] > 1:
@@ -162,14 +163,16 @@ def _checked_weights(cfg: RewardsConfig) -> list[float]:
     return weights
 
 
-def _reward_callable(ref, cfg: RewardsConfig, task_name, kind, max_completion_length):
+def _reward_callable(ref, cfg: RewardsConfig, task, kind, max_completion_length):
     """What rewards.functions' entry `ref` names: a built-in made for this task, a reward
     model (loaded, or a hub id / directory), a function object, or one in a file or module."""
+    task_name = _task_judge(task)[0]
     if isinstance(ref, str) and ref in BUILTIN_REWARDS:
         return {
             "accuracy": lambda: make_accuracy(cfg.accuracy_mode, task_name, kind),
             "format": lambda: make_format(cfg.format_pattern),
             "overlong": lambda: make_overlong(max_completion_length, cfg.overlong_buffer),
+            "gym_score": lambda: make_gym_score(task),
         }[ref]()
     if isinstance(ref, torch.nn.Module):  # a loaded reward model (the Python API)
         return RewardModel(ref)

@@ -25,6 +25,9 @@ import string
 import threading
 from fractions import Fraction
 
+from grpolab.tasks import gym
+from grpolab.tasks.base import Example
+
 ACCURACY_MODES = ("auto", "exact", "math")
 DEFAULT_FORMAT_PATTERN = r"\\boxed\{.+\}|####\s*\S+"
 
@@ -275,3 +278,30 @@ def make_overlong(max_length: int | None, buffer: int | None = None):
         return out
 
     return overlong
+
+
+def make_gym_score(task=None):
+    """gym_score: the reasoning-gym generator's own score_answer of the completion's final
+    answer (grpolab.tasks.gym.final_answer; 0 when it gives none), in [0, 1], partial credit
+    as the generator gives it. `task`: the loaded reasoning_gym task (its datasets' scorer),
+    else its config or name (each row scored by its own generator's default scorer)."""
+    name = getattr(task, "name", task)
+    if name is not None and name != "reasoning_gym":
+        raise ValueError(
+            f"the 'gym_score' reward scores reasoning-gym problems: it needs "
+            f"task.name=reasoning_gym, not {name!r}"
+        )
+    scorer = getattr(task, "score_answer", None) or gym.scorer_by_source()
+
+    def gym_score(completions: list[str], answer: list[str], metadata: list, **columns):
+        questions = columns.get("question") or [None] * len(completions)
+        out = []
+        for completion, ref, meta, question in zip(
+            completions, answer, metadata, questions, strict=True
+        ):
+            row = Example(prompt=question or "", answer=ref,
+                          columns={"question": question, "metadata": meta})  # fmt: skip
+            out.append(gym.score(scorer, completion, row))
+        return out
+
+    return gym_score

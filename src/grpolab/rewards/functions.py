@@ -1,6 +1,6 @@
 """Resolving reward names to functions, and calling one function safely.
 
-A reward is a built-in name (accuracy, format, overlong), "package.module:function",
+A reward is a built-in name (accuracy, format, overlong, gym_score), "package.module:function",
 "path/to/file.py:function", or a reward model (rewards.model: a directory or a hub id); the
 function is called as TRL calls it, by keyword:
 f(completions=..., prompts=..., completion_ids=..., answer=..., **other_columns) ->
@@ -32,7 +32,7 @@ from typing import Any
 
 logger = logging.getLogger("grpolab.rewards")
 
-BUILTIN_REWARDS = ("accuracy", "format", "overlong")
+BUILTIN_REWARDS = ("accuracy", "format", "overlong", "gym_score")
 
 
 class RewardCallError(Exception):

@@ -219,8 +219,11 @@ def probe_rows(task: Task, n: int = PROBE_ROWS) -> list[tuple[int, Example]]:
     return [(i, task.train[i]) for i in indices]
 
 
-def build_probes(rows: Sequence[tuple[int, Example]], kind: str = "number") -> list[Probe]:
-    """Every probe of `rows`, for answers of `kind` (the task's answer kind)."""
+def build_probes(
+    rows: Sequence[tuple[int, Example]], kind: str = "number", judge=None
+) -> list[Probe]:
+    """Every probe of `rows`, for answers of `kind` (the task's answer kind); judge: the
+    task's own strict judge (Task.strict_judge), which then decides which probes answer."""
     answers = [example.answer for _, example in rows]
     probes = []
     for row, (_, example) in enumerate(rows):
@@ -246,12 +249,15 @@ def build_probes(rows: Sequence[tuple[int, Example]], kind: str = "number") -> l
             ):
                 probes.append(Probe(row, "restated", text))
         probes += [Probe(row, "no_answer", text) for text in NO_ANSWERS]
+
     # A probe that does answer its row by the strict check is not a wrong one.
-    return [
-        p
-        for p in probes
-        if p.kind == "reference" or not strict_equal(p.text, rows[p.row][1].answer, kind)
-    ]
+    def answers(p: Probe) -> bool:
+        example = rows[p.row][1]
+        if judge is not None:
+            return bool(judge(p.text, example))
+        return strict_equal(p.text, example.answer, kind)
+
+    return [p for p in probes if p.kind == "reference" or not answers(p)]
 
 
 def writings(answer: str, solution: str | None = None) -> list[str]:
@@ -285,13 +291,18 @@ def wrong_answer(answer: str, others: Sequence[str], kind: str = "number") -> st
 
 
 def run_probes(
-    rows: Sequence[tuple[int, Example]], rewards: Rewards, tokenizer=None, kind: str = "number"
+    rows: Sequence[tuple[int, Example]],
+    rewards: Rewards,
+    tokenizer=None,
+    kind: str = "number",
+    judge=None,
 ) -> ProbeReport:
     """Score every probe of `rows` with `rewards` through `score`, as the trainer does.
     tokenizer: for the token ids of rewards that need them ('overlong'); without one those
-    functions are not probed. kind: the task's answer kind (Task.answer_kind)."""
+    functions are not probed. kind: the task's answer kind (Task.answer_kind); judge: the
+    task's own strict judge (Task.strict_judge), if any."""
     rows = list(rows)
-    probes = build_probes(rows, kind)
+    probes = build_probes(rows, kind, judge)
     texts = [p.text for p in probes]
     ids = None
     if tokenizer is not None:
@@ -322,7 +333,7 @@ def run_probes(
 
 def probe_task(task: Task, rewards: Rewards, tokenizer=None) -> ProbeReport:
     """The probes of `task`'s rows, of its answer kind, scored by `rewards`."""
-    return run_probes(probe_rows(task), rewards, tokenizer, task.answer_kind)
+    return run_probes(probe_rows(task), rewards, tokenizer, task.answer_kind, task.strict_judge)
 
 
 def reward_scale(task: Task, rewards: Rewards, tokenizer=None) -> tuple[float, float] | None:

@@ -6,10 +6,11 @@ from grpolab.tasks.answers import ANSWER_KINDS, check_answer_kind, infer_answer_
 from grpolab.tasks.arithmetic import load_arithmetic
 from grpolab.tasks.base import GENERATED_NUM_EVAL, Example, GivenRows, Task, TaskConfig
 from grpolab.tasks.files import FILE_TASK_DEFAULTS, SAMPLE_GSM8K, load_file_task
+from grpolab.tasks.gym import load_gym
 
-TASKS = ("arithmetic", *FILE_TASK_DEFAULTS)
+TASKS = ("arithmetic", "reasoning_gym", *FILE_TASK_DEFAULTS)
 # Tasks that generate their problems: each holds out GENERATED_NUM_EVAL unless told.
-GENERATED_TASKS = ("arithmetic",)
+GENERATED_TASKS = ("arithmetic", "reasoning_gym")
 
 
 def load_task(cfg: TaskConfig | None = None) -> Task:
@@ -21,6 +22,8 @@ def load_task(cfg: TaskConfig | None = None) -> Task:
         )
     if cfg.name == "arithmetic":
         task = load_arithmetic(cfg)
+    elif cfg.name == "reasoning_gym":
+        task = load_gym(cfg)
     elif cfg.name in FILE_TASK_DEFAULTS:
         task = load_file_task(cfg)
     else:

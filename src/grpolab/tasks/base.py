@@ -5,10 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from grpolab.tasks.strict import strict_equal
 
 GENERATED_NUM_EVAL = 500  # a generated task's held-out problems, unless task.num_eval is given
 AUTO_HOLD_OUT_KEEPS = 0.9  # a file's share that must still train for an unasked hold-out
@@ -18,7 +21,8 @@ AUTO_HOLD_OUT_KEEPS = 0.9  # a file's share that must still train for an unasked
 class TaskConfig:
     """Which prompts to train on. One flat section; the fields a task does not use are ignored.
 
-    name: "arithmetic" (built in, generated), "gsm8k" (question / "... #### 42" answer rows),
+    name: "arithmetic" (built in, generated), "reasoning_gym" (any of reasoning-gym's
+    generators, grpolab.tasks.gym), "gsm8k" (question / "... #### 42" answer rows),
     "jsonl" (any rows, .jsonl/.json/.parquet or a dataset id; prompt_field / answer_field
     name the columns).
     """
@@ -28,6 +32,11 @@ class TaskConfig:
     min_operand: int = 10
     max_operand: int = 99
     operators: str = "+"  # any of "+-*"
+    # reasoning_gym: a generator's name ("chain_sum"), or a list of names and mappings
+    # {name, weight (default 1), config (its parameters)} drawn by weight; dataset_config:
+    # a single generator's parameters (grpolab.tasks.gym).
+    dataset: Any = None
+    dataset_config: dict[str, Any] | None = None
     # Held-out prompts. None: a generated task holds out GENERATED_NUM_EVAL; a file task holds
     # out that many rows only when at least AUTO_HOLD_OUT_KEEPS of its rows still train (a
     # user's small file is trained on whole; task.num_eval, task.eval_fraction or
@@ -109,6 +118,18 @@ class Task:
     # False: the rows have no reference answers (a file task with neither field): the
     # rewards alone judge; no accuracy, strict check, held-out evaluation or reward probes.
     has_references: bool = True
+    # A generated suite's own scoring (reasoning_gym: its generator's score_answer(answer,
+    # entry)) and the strict judge built on it (completion, example) -> bool; None: the
+    # strict check of the answer kind (grpolab.tasks.strict) judges.
+    score_answer: Any = None
+    strict_judge: Any = None
+
+    def strict_hits(self, completions: Sequence[str], examples: Sequence[Example]) -> list[bool]:
+        """The task's strict verdict on each completion (one example per completion)."""
+        pairs = list(zip(completions, examples, strict=True))
+        if self.strict_judge is not None:
+            return [bool(self.strict_judge(c, e)) for c, e in pairs]
+        return [strict_equal(c, e.answer, self.answer_kind) for c, e in pairs]
 
     def describe_split(self) -> str:
         """The line the commands print at start: how many rows train, how many are held out."""

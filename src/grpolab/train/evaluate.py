@@ -75,6 +75,13 @@ def strict_correct(
     return torch.tensor(hits, dtype=torch.bool)
 
 
+def task_strict_correct(task, completions: Sequence[str], examples: Sequence[Example]):
+    """[B] bool: the task's strict judge on each completion (examples: one per completion):
+    its own where it has one (Task.strict_judge: a reasoning-gym generator's score_answer
+    giving 1), else the strict check of its answer kind."""
+    return torch.tensor(task.strict_hits(list(completions), list(examples)), dtype=torch.bool)
+
+
 @dataclass(frozen=True)
 class HeldOutAccuracy:
     accuracy: float  # percent: the accuracy reward is 1
@@ -89,18 +96,24 @@ def evaluate_greedy(
     batch_size: int = 500,
     answer_kind: str = "number",
     on_batch: Callable[[int], None] | None = None,
+    judge: Callable[[str, Example], bool] | None = None,
 ) -> HeldOutAccuracy:
     """Greedy reward-based and strict accuracy, in percent, on `examples` (the strict check
-    judging answers of `answer_kind`: the task's); on_batch(done): called after each batch
-    with the problems evaluated so far."""
+    judging answers of `answer_kind`: the task's, or the task's own `judge`,
+    Task.strict_judge); on_batch(done): called after each batch with the problems evaluated
+    so far."""
     hits = strict = 0
     params = SamplingParams(temperature=0.0, max_completion_length=max_completion_length)
     for s in range(0, len(examples), batch_size):
         chunk = list(examples[s : s + batch_size])
         rollout = engine.generate([e.prompt for e in chunk], 1, params)
         hits += int(correct(rollout.completions, chunk, rewards).sum())
-        answers = [e.answer for e in chunk]
-        strict += int(strict_correct(rollout.completions, answers, answer_kind).sum())
+        if judge is not None:
+            pairs = zip(rollout.completions, chunk, strict=True)
+            strict += sum(bool(judge(c, e)) for c, e in pairs)
+        else:
+            answers = [e.answer for e in chunk]
+            strict += int(strict_correct(rollout.completions, answers, answer_kind).sum())
         if on_batch is not None:
             on_batch(s + len(chunk))
     n = max(1, len(examples))

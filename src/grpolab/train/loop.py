@@ -533,6 +533,7 @@ def held_out_accuracy(session: Session, label: str) -> tuple[float | None, float
         run.cfg.eval_batch_size,
         run.task.answer_kind,
         on_batch=progress,
+        judge=run.task.strict_judge,
     )
     session.console.print(
         f"held-out accuracy {label}: [bold]{held_out.accuracy:.1f}%[/bold], strict "
@@ -720,7 +721,14 @@ def run_eval(
     length = cfg.eval.eval_max_completion_length or cfg.rollout.max_completion_length
     progress = EvalProgress(console, "accuracy (greedy)", len(held_out))
     greedy = evaluate_greedy(
-        engine, held_out, accuracy, length, cfg.eval_batch_size, task.answer_kind, progress
+        engine,
+        held_out,
+        accuracy,
+        length,
+        cfg.eval_batch_size,
+        task.answer_kind,
+        progress,
+        judge=task.strict_judge,
     )
     result = {"accuracy": greedy.accuracy, "strict_accuracy": greedy.strict_accuracy}
     console.print(

@@ -27,7 +27,7 @@ from grpolab.model.precision import autocast
 from grpolab.rewards import RewardResult, flat_verdicts, score
 from grpolab.rollout.base import Rollout
 from grpolab.tasks.base import Example
-from grpolab.train.evaluate import correct_answers, strict_correct
+from grpolab.train.evaluate import correct_answers, task_strict_correct
 from grpolab.train.setup import Run, old_logprobs_from_loss_forward
 
 
@@ -163,9 +163,10 @@ def collect(run: Run, step: int) -> StepBatch:
     correct = strict = None  # a task without references: the rewards alone judge
     if run.task.has_references:
         correct = correct_answers(scores, rollout.completions, examples, run.rewards, run.accuracy)
-        answers = [e.answer for e in examples for _ in range(G)]
-        # The task's judge, in code independent of the rewards'.
-        strict = strict_correct(rollout.completions, answers, run.task.answer_kind)
+        per_sample = [e for e in examples for _ in range(G)]
+        # The task's judge, in code independent of the rewards' (a reasoning-gym suite's:
+        # its generator's own score_answer).
+        strict = task_strict_correct(run.task, rollout.completions, per_sample)
     # Advantages over the global batch ("batch" scaling needs every rank's rewards).
     all_rewards = dist_module.all_gather_cat(scores.total, d)  # [B_global]
     kwargs = dict(o.advantage_kwargs())  # run.functions drop what a user's does not take
