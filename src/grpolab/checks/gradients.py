@@ -108,29 +108,54 @@ def _grad_distance(model, reference: list[torch.Tensor | None]) -> Distance:
     return Distance(worst_abs / scale, worst, worst_abs)
 
 
-def reference_gradient(model64, logprobs_fn, args, loss_of) -> tuple[torch.Tensor, list]:
+def reference_forward(model64, logprobs_fn, args) -> list:
+    """logprobs_fn(model64, rows) for each slice of REFERENCE_ROWS rows, with their graphs:
+    what reference_gradient backpropagates, once for every loss it is asked about."""
+    B = args[0].shape[0]
+    return [
+        (rows, *logprobs_fn(model64, *(a[rows] for a in args[:3]), args[3]))
+        for rows in (slice(r0, r0 + REFERENCE_ROWS) for r0 in range(0, B, REFERENCE_ROWS))
+    ]
+
+
+def reference_gradient(
+    model64, logprobs_fn, args, loss_of, forward=None
+) -> tuple[torch.Tensor, list]:
     """(logp [B, T-1], the parameters' gradients) of loss_of(logp, mask) for logp, mask =
     logprobs_fn(model64, *args) on the whole batch (args: input_ids, attention_mask,
     completion_mask, temperature), REFERENCE_ROWS rows per forward: d loss / d logp from the
     whole batch's log-probs, then each slice of rows backpropagated with its share of it
-    (the chain rule: exact for any loss, whatever its normaliser)."""
-    B = args[0].shape[0]
-    slices = [slice(r0, r0 + REFERENCE_ROWS) for r0 in range(0, B, REFERENCE_ROWS)]
-
-    def rows_of(rows: slice):
-        return logprobs_fn(model64, *(a[rows] for a in args[:3]), args[3])
-
-    with torch.no_grad():
-        parts = [rows_of(rows) for rows in slices]
-    logp = torch.cat([p[0] for p in parts]).requires_grad_()
-    loss_of(logp, torch.cat([p[1] for p in parts])).backward()
+    (the chain rule: exact for any loss, whatever its normaliser). `forward`: the slices'
+    forwards already run (reference_forward of the same model, function and args), kept for
+    the next loss; None: run here and dropped."""
+    forward = reference_forward(model64, logprobs_fn, args) if forward is None else forward
+    logp = torch.cat([p[1].detach() for p in forward]).requires_grad_()
+    loss_of(logp, torch.cat([p[2] for p in forward])).backward()
     upstream = logp.grad
     model64.zero_grad(set_to_none=True)
-    for rows in slices:
-        (rows_of(rows)[0] * upstream[rows]).sum().backward()
+    for rows, part, _ in forward:
+        (part * upstream[rows]).sum().backward(retain_graph=True)
     grads = _grads(model64)
     model64.zero_grad(set_to_none=True)
     return logp.detach(), grads
+
+
+def shared_reference_forward(ctx, logprobs_fn, args) -> list:
+    """reference_forward on the run's float64 copy, run once for the checks whose losses
+    differ but whose rows, function and temperature are the same (split, skip, packing);
+    dropped with the float64 copy."""
+    key = "float64 forward"
+    held = ctx.shared.get(key)
+    same = (
+        held is not None
+        and held[0] is logprobs_fn
+        and held[1][3] == args[3]
+        and all(torch.equal(a, b) for a, b in zip(held[1][:3], args[:3], strict=True))
+    )
+    if not same:
+        ctx.release(key)
+        ctx.shared[key] = (logprobs_fn, args, reference_forward(model64(ctx), logprobs_fn, args))
+    return ctx.shared[key][2]
 
 
 def _masked_sum(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -160,7 +185,7 @@ def logprob_distances(
 
 def accumulated_gradients(
     impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings, advantages,
-    parts, scale_fn, model64=None,
+    parts, scale_fn, model64=None, ctx=None,
 ) -> tuple[float, float]:  # fmt: skip
     """(one pass, accumulated): the distances from the float64 copy's one-pass gradient of
     the loss of every row (`advantages` [B]) of the gradient of one pass over all rows, and of
@@ -185,7 +210,8 @@ def accumulated_gradients(
         return loss_of(logp, mask, rows)
 
     model64 = float64_copy(model) if model64 is None else model64
-    _, reference = reference_gradient(model64, impl.sequence_logprobs, args, loss_of)
+    forward = None if ctx is None else shared_reference_forward(ctx, impl.sequence_logprobs, args)
+    _, reference = reference_gradient(model64, impl.sequence_logprobs, args, loss_of, forward)
     model.zero_grad(set_to_none=True)
     loss_of_rows(torch.arange(len(advantages))).backward()
     whole = _grad_distance(model, reference).grad
@@ -217,7 +243,7 @@ def split_invariance(ctx):
     parts = [order[:first], order[first:half], order[half:]]
     whole, split = accumulated_gradients(
         ctx.impl, ctx.model, batch, s, _alternating(B), parts, core.micro_batch_scale,
-        model64(ctx),
+        model64(ctx), ctx,
     )  # fmt: skip
     tol = precision_tolerance(whole, 1.0, rounding_dtype(ctx.model, s.precision))
     return ctx.result(
@@ -243,7 +269,7 @@ def skip_invariance(ctx):
     parts = [kept[: len(kept) // 2], kept[len(kept) // 2 :]]
     whole, skipped = accumulated_gradients(
         ctx.impl, ctx.model, batch, s, advantages, parts, ctx.impl.micro_batch_scale,
-        model64(ctx),
+        model64(ctx), ctx,
     )  # fmt: skip
     tol = precision_tolerance(whole, 1.0, rounding_dtype(ctx.model, s.precision))
     return ctx.result(

@@ -32,6 +32,7 @@ def worst_case(ctx):
     step predicted from it and from what the run holds (`MemoryBreakdown`)."""
     run, impl = ctx.run, ctx.impl
     ctx.release("float64 copy")  # the preflight's, not a training step's
+    ctx.release("float64 forward")
     cfg, model = run.cfg, run.model
     prompt_tokens = longest_prompt_tokens(run)
     rows, L = run.plan.micro, cfg.rollout.episode_budget()  # an episode: every token after it

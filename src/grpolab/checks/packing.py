@@ -21,6 +21,7 @@ from grpolab.checks.gradients import (
     model64,
     reference_gradient,
     rounding_dtype,
+    shared_reference_forward,
 )
 from grpolab.checks.tolerance import precision_tolerance, tolerance_text
 from grpolab.model.packed import packed_sizes, token_budget_parts
@@ -73,7 +74,10 @@ def packing_exact(ctx):
         return impl.sequence_logprobs(model, *args, packed=True)
 
     padded_fn, packed_fn = (in_precision(f, s.precision) for f in (impl.sequence_logprobs, packed))
-    ref_logp, reference = reference_gradient(model64(ctx), impl.sequence_logprobs, args, loss_of)
+    forward = shared_reference_forward(ctx, impl.sequence_logprobs, args)
+    ref_logp, reference = reference_gradient(
+        model64(ctx), impl.sequence_logprobs, args, loss_of, forward
+    )
     valid = batch.completion_mask[:, 1:].bool()
     # The padded one pass: the plain path's distance, what the tolerance is made of.
     model.zero_grad(set_to_none=True)
