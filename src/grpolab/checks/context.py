@@ -89,10 +89,44 @@ def grad_rows(batch: PreflightBatch, s: PreflightSettings) -> PreflightBatch:
     return batch.rows(slice(0, n))
 
 
+# The checks that backpropagate through the model several times (against its float64 copy,
+# or one SGD step) run on a few rows of a few groups: on SmolLM2-135M a float64 forward and
+# backward cost ~1 s a row, and what they look for (a normaliser wrong under accumulation or
+# skipping, a log-prob path off the plain one, a packed row seeing another, a loss pushing the
+# wrong way) is in every row. Two groups at least keep a cut between groups and one inside a
+# group; whole groups are cut to their first rows, still consecutive and sharing a prompt.
+FEW_ROWS_PER_GROUP = 4
+FEW_ROWS = 8
+
+
+def few_group_rows(batch: PreflightBatch, s: PreflightSettings) -> PreflightBatch:
+    """The first FEW_ROWS_PER_GROUP rows of each of the first groups, at least two groups and
+    FEW_ROWS rows, within the trainer's micro-batch (grad_rows: the checks fit where training
+    fits). A batch not made of whole groups: its first FEW_ROWS rows."""
+    B, G = batch.input_ids.shape[0], batch.group_size
+    if G < 1 or B % G:
+        rows = list(range(min(B, FEW_ROWS)))
+    else:
+        per_group = min(G, FEW_ROWS_PER_GROUP)
+        groups = min(B // G, max(2, math.ceil(FEW_ROWS / per_group)))
+        rows = [g * G + i for g in range(groups) for i in range(per_group)]
+        batch = dataclasses.replace(batch.rows(torch.tensor(rows)), group_size=per_group)
+        rows = list(range(len(rows)))
+    if s.grad_rows is not None:
+        rows = rows[: s.grad_rows]
+    return batch.rows(torch.tensor(rows)) if len(rows) < batch.input_ids.shape[0] else batch
+
+
+# The log-prob checks run their rows one at a time, three times over (T = 1, another T, a
+# bf16 copy): what they look for (the shift, the logits' dtype, the temperature) is in every
+# token of every row, and a few rows hold tens of tokens.
+UNPADDED_ROWS = 4
+
+
 def unpadded_rows(batch: PreflightBatch) -> PreflightBatch:
-    """The rows with no left padding (the longest prompts), at most 8: there, any way of
-    computing positions agrees, so a low-precision model cannot blur the comparison."""
-    rows = batch.attention_mask[:, 0].bool().nonzero().flatten()[:8]
+    """The rows with no left padding (the longest prompts), at most UNPADDED_ROWS: there, any
+    way of computing positions agrees, so a low-precision model cannot blur the comparison."""
+    rows = batch.attention_mask[:, 0].bool().nonzero().flatten()[:UNPADDED_ROWS]
     return dataclasses.replace(batch.rows(rows), engine_logprobs=None)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from grpolab import core
 from grpolab.check import Check, Mutant
-from grpolab.checks.context import PreflightBatch, PreflightSettings, grad_rows
+from grpolab.checks.context import PreflightBatch, PreflightSettings, few_group_rows
 from grpolab.checks.reference import float64_logprobs
 from grpolab.checks.tolerance import precision_tolerance, tolerance_text
 from grpolab.config import skips_zero_advantage
@@ -23,20 +23,6 @@ from grpolab.model.precision import Precision, autocast
 
 # Rows per float64 forward with grad: its activations and [rows, T, V] logits stay small.
 REFERENCE_ROWS = 4
-# The float64 checks run on the batch's first two groups, at least 16 rows: on SmolLM2-135M
-# their float64 forwards and backwards over all 32 rows were 84 s of a 125 s preflight, and
-# what they look for (a normaliser wrong under accumulation or skipping, a log-prob path off
-# the plain one) is in every row, so two groups show it as well as four.
-FLOAT64_MIN_ROWS = 16
-
-
-def float64_rows(batch: PreflightBatch, s: PreflightSettings) -> PreflightBatch:
-    """The rows the float64 checks run on: the trainer's micro-batch (grad_rows), at most two
-    groups or FLOAT64_MIN_ROWS, whichever is more."""
-    rows = max(2 * batch.group_size, FLOAT64_MIN_ROWS)
-    if s.grad_rows is not None:
-        rows = min(rows, s.grad_rows)
-    return grad_rows(batch, dataclasses.replace(s, grad_rows=rows))
 
 
 def float64_copy(model) -> torch.nn.Module:
@@ -96,7 +82,7 @@ class Distance:
     logp_scale: float = 0.0  # max |reference logp| over completion tokens
 
 
-def _grad_distance(model, reference: list[torch.Tensor | None]) -> Distance:
+def grad_distance(model, reference: list[torch.Tensor | None]) -> Distance:
     """The model's current .grad against reference gradients (None: the parameter has none)."""
     scale = max((float(r.abs().max()) for r in reference if r is not None), default=0.0) or 1.0
     worst, worst_abs = "-", 0.0
@@ -140,10 +126,19 @@ def reference_gradient(
     return logp.detach(), grads
 
 
+def reference_logprobs(impl: CoreFunctions):
+    """The log-prob function the float64 copy runs for the gradient checks: the float64
+    reference itself when the log-probs checked are grpolab's own (the same maths, so the
+    copy's one forward serves logprobs.fused_vs_naive too), else the implementation's own (a
+    user's path held to itself under accumulation, skipping and packing)."""
+    own = impl.source.get("sequence_logprobs", "grpolab").startswith("grpolab")
+    return float64_logprobs if own else impl.sequence_logprobs
+
+
 def shared_reference_forward(ctx, logprobs_fn, args) -> list:
     """reference_forward on the run's float64 copy, run once for the checks whose losses
-    differ but whose rows, function and temperature are the same (split, skip, packing);
-    dropped with the float64 copy."""
+    differ but whose rows, function and temperature are the same (fused_vs_naive, split,
+    skip, packing); dropped with the float64 copy."""
     key = "float64 forward"
     held = ctx.shared.get(key)
     same = (
@@ -163,37 +158,31 @@ def _masked_sum(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def logprob_distances(
-    model, model64, args, paths: dict, reference=float64_logprobs
+    model, model64, args, paths: dict, reference=float64_logprobs, forward=None
 ) -> dict[str, Distance]:
     """Each of `paths` (name -> a sequence_logprobs-like function) on `model`, against
     `reference` on `model64`: log-probs and the gradient of sum(logp * mask) reaching the
-    parameters. args: (input_ids, attention_mask, completion_mask, temperature)."""
+    parameters. args: (input_ids, attention_mask, completion_mask, temperature); `forward`:
+    reference_forward of `reference` on `model64` already run (None: run here)."""
     valid = args[2][:, 1:].bool()
-    ref_logp, ref_grads = reference_gradient(model64, reference, args, _masked_sum)
+    ref_logp, ref_grads = reference_gradient(model64, reference, args, _masked_sum, forward)
     scale = _max_gap(ref_logp[valid], torch.zeros_like(ref_logp[valid]))
     out = {}
     for name, fn in paths.items():
         model.zero_grad(set_to_none=True)
         logp, mask = fn(model, *args)
         _masked_sum(logp, mask).backward()
-        grad = _grad_distance(model, ref_grads)
+        grad = grad_distance(model, ref_grads)
         model.zero_grad(set_to_none=True)
         gap = _max_gap(logp.detach()[valid], ref_logp[valid])
         out[name] = dataclasses.replace(grad, logp=gap, logp_scale=scale)
     return out
 
 
-def accumulated_gradients(
-    impl: CoreFunctions, model, batch: PreflightBatch, s: PreflightSettings, advantages,
-    parts, scale_fn, model64=None, ctx=None,
-) -> tuple[float, float]:  # fmt: skip
-    """(one pass, accumulated): the distances from the float64 copy's one-pass gradient of
-    the loss of every row (`advantages` [B]) of the gradient of one pass over all rows, and of
-    the gradient accumulated over `parts` (row indices), each part's loss scaled by
-    scale_fn(loss_type, its mask, the whole batch's mask), relative to max |grad|."""
+def batch_loss(impl: CoreFunctions, s: PreflightSettings, advantages: torch.Tensor, L: int):
+    """loss_of(logp, mask, rows): the implementation's loss of `rows` (all by default) with
+    their `advantages` [B], at a ratio of exp(-0.05) to a detached logp_old, no KL."""
     o = s.objective
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, o.temperature)
-    L = o.max_completion_length or batch.input_ids.shape[1]
 
     def loss_of(logp, mask, rows=slice(None)) -> torch.Tensor:
         kwargs = o.loss_kwargs() | {"beta": 0.0, "max_completion_length": L}
@@ -203,29 +192,75 @@ def accumulated_gradients(
         )  # fmt: skip
         return loss
 
+    return loss_of
+
+
+@dataclass(frozen=True)
+class OnePass:
+    """The loss of every row of a batch on the float64 copy, and the run's one pass over it."""
+
+    ref_logp: torch.Tensor  # [B, T-1] the float64 copy's log-probs
+    reference: list  # the float64 copy's gradients (None: the parameter has none)
+    grad: float  # the run's one-pass gradient: max |grad - reference| / max |reference|
+    logp: float  # its log-probs: max |logp - ref_logp| over completion tokens
+
+
+def batch_args(batch: PreflightBatch, s: PreflightSettings) -> tuple:
+    """(input_ids, attention_mask, completion_mask, temperature): a log-prob call's."""
+    return batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature
+
+
+def one_pass(ctx, batch: PreflightBatch, advantages: torch.Tensor) -> OnePass:
+    """The float64 copy's gradient of the loss of every row of `batch` (`advantages` [B]) and
+    the run's one pass over the same rows in its precision against it: what the accumulated
+    micro-batches of split.gradient_invariance and packing.exact are held to (the same rows
+    and loss: computed once)."""
+    s, impl, model = ctx.settings, ctx.impl, ctx.model
+    args = batch_args(batch, s)
+    loss_of = batch_loss(impl, s, advantages, s.objective.max_completion_length or args[0].shape[1])
+
+    def compute() -> OnePass:
+        reference_fn = reference_logprobs(impl)
+        forward = shared_reference_forward(ctx, reference_fn, args)
+        ref_logp, reference = reference_gradient(model64(ctx), reference_fn, args, loss_of, forward)
+        model.zero_grad(set_to_none=True)
+        logp, mask = in_precision(impl.sequence_logprobs, s.precision)(model, *args)
+        loss_of(logp, mask).backward()
+        grad = grad_distance(model, reference).grad
+        model.zero_grad(set_to_none=True)
+        valid = args[2][:, 1:].bool()
+        return OnePass(ref_logp, reference, grad, _max_gap(logp.detach()[valid], ref_logp[valid]))
+
+    rows = ",".join(map(str, args[0].shape))
+    return ctx.memo(f"one pass {rows} {advantages.tolist()}", compute)
+
+
+def accumulated_gradients(
+    ctx, batch: PreflightBatch, advantages: torch.Tensor, parts, scale_fn
+) -> tuple[float, float]:
+    """(one pass, accumulated): the distances from the float64 copy's one-pass gradient of
+    the loss of every row (`advantages` [B]) of the gradient of one pass over all rows, and of
+    the gradient accumulated over `parts` (row indices), each part's loss scaled by
+    scale_fn(loss_type, its mask, the whole batch's mask), relative to max |grad|."""
+    s, impl, model = ctx.settings, ctx.impl, ctx.model
+    args = batch_args(batch, s)
+    loss_of = batch_loss(impl, s, advantages, s.objective.max_completion_length or args[0].shape[1])
+    whole = one_pass(ctx, batch, advantages)
     logprobs = in_precision(impl.sequence_logprobs, s.precision)
-
-    def loss_of_rows(rows) -> torch.Tensor:
-        logp, mask = logprobs(model, *(a[rows] for a in args[:3]), o.temperature)
-        return loss_of(logp, mask, rows)
-
-    model64 = float64_copy(model) if model64 is None else model64
-    forward = None if ctx is None else shared_reference_forward(ctx, impl.sequence_logprobs, args)
-    _, reference = reference_gradient(model64, impl.sequence_logprobs, args, loss_of, forward)
-    model.zero_grad(set_to_none=True)
-    loss_of_rows(torch.arange(len(advantages))).backward()
-    whole = _grad_distance(model, reference).grad
     model.zero_grad(set_to_none=True)
     unit_mask = batch.completion_mask[:, 1:]
     for rows in parts:
         if len(rows):
-            (loss_of_rows(rows) * scale_fn(o.loss_type, unit_mask[rows], unit_mask)).backward()
-    accumulated = _grad_distance(model, reference).grad
+            logp, mask = logprobs(model, *(a[rows] for a in args[:3]), args[3])
+            scale = scale_fn(s.objective.loss_type, unit_mask[rows], unit_mask)
+            (loss_of(logp, mask, rows) * scale).backward()
+    accumulated = grad_distance(model, whole.reference).grad
     model.zero_grad(set_to_none=True)
-    return whole, accumulated
+    return whole.grad, accumulated
 
 
-def _alternating(B: int) -> torch.Tensor:
+def alternating(B: int) -> torch.Tensor:
+    """[B] advantages 1, -0.5, 1, ...: both signs, unequal sizes."""
     return torch.tensor([1.0, -0.5] * (B // 2) + [1.0] * (B % 2))
 
 
@@ -234,17 +269,14 @@ def split_invariance(ctx):
     scaling equals the gradient in one pass (the wrong normaliser under accumulation shows
     here): both against the one-pass gradient of the same functions on a float64 copy."""
     s = ctx.settings
-    batch = float64_rows(ctx.batch, s)
+    batch = few_group_rows(ctx.batch, s)
     B = batch.input_ids.shape[0]
     # Uneven micro-batches: the longest sequences alone, then the rest in two parts.
     order = torch.argsort(batch.completion_mask[:, 1:].sum(1), descending=True)
     # (a partition of the rows: a micro-batch of one row leaves B = 1, one part)
     first, half = max(1, B // 4), max(1, B // 4, B // 2)
     parts = [order[:first], order[first:half], order[half:]]
-    whole, split = accumulated_gradients(
-        ctx.impl, ctx.model, batch, s, _alternating(B), parts, core.micro_batch_scale,
-        model64(ctx), ctx,
-    )  # fmt: skip
+    whole, split = accumulated_gradients(ctx, batch, alternating(B), parts, core.micro_batch_scale)
     tol = precision_tolerance(whole, 1.0, rounding_dtype(ctx.model, s.precision))
     return ctx.result(
         "max |grad(3 uneven micro-batches) - grad(one pass, float64 copy)| / max |grad|"
@@ -261,16 +293,15 @@ def skip_invariance(ctx):
     micro-batches of the other rows, each scaled by its share of the whole batch's normaliser
     as the trainer does, against the one-pass gradient of every row on a float64 copy."""
     s = ctx.settings
-    batch = float64_rows(ctx.batch, s)
+    batch = few_group_rows(ctx.batch, s)
     B = batch.input_ids.shape[0]
-    advantages = _alternating(B)
+    advantages = alternating(B)
     advantages[:: 3 if B > 2 else 2] = 0.0
     kept = torch.nonzero(~core.rows_without_gradient(advantages)).view(-1)
     parts = [kept[: len(kept) // 2], kept[len(kept) // 2 :]]
     whole, skipped = accumulated_gradients(
-        ctx.impl, ctx.model, batch, s, advantages, parts, ctx.impl.micro_batch_scale,
-        model64(ctx), ctx,
-    )  # fmt: skip
+        ctx, batch, advantages, parts, ctx.impl.micro_batch_scale
+    )
     tol = precision_tolerance(whole, 1.0, rounding_dtype(ctx.model, s.precision))
     return ctx.result(
         f"max |grad(the {len(kept)} of {B} rows with an advantage, in 2 micro-batches) - "
@@ -288,7 +319,7 @@ def fused_vs_naive(ctx):
     from grpolab.model.logprobs import shared_prefix_status, split_model, token_logprobs
 
     s, model = ctx.settings, ctx.model
-    batch = float64_rows(ctx.batch, s)
+    batch = few_group_rows(ctx.batch, s)
     args = (batch.input_ids, batch.attention_mask, batch.completion_mask, s.objective.temperature)
 
     def trainers(model, *args):
@@ -296,7 +327,8 @@ def fused_vs_naive(ctx):
 
     paths = {"fused": trainers, "naive": core.sequence_logprobs}
     paths = {name: in_precision(fn, s.precision) for name, fn in paths.items()}
-    fused, naive = logprob_distances(model, model64(ctx), args, paths).values()
+    forward = shared_reference_forward(ctx, float64_logprobs, args)
+    fused, naive = logprob_distances(model, model64(ctx), args, paths, forward=forward).values()
     dtype = rounding_dtype(model, s.precision)
     tol = precision_tolerance(naive.logp, naive.logp_scale, dtype)
     grad_tol = precision_tolerance(naive.grad, 1.0, dtype)

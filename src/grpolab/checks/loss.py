@@ -11,7 +11,7 @@ import torch
 
 from grpolab import core
 from grpolab.check import Check, Mutant
-from grpolab.checks.context import grad_rows
+from grpolab.checks.context import few_group_rows
 from grpolab.objective.base import max_abs
 from grpolab.objective.kl import reference as reference_kl
 
@@ -86,7 +86,7 @@ def sgd_direction(ctx):
     """One small SGD step with the implementation's loss, taken on float32 weights: a copy of
     a low-precision model (its rounding would swallow the step), else the model's own weights
     swapped for stepped ones during one forward (no copy; the originals are put back)."""
-    batch, model = grad_rows(ctx.batch, ctx.settings), ctx.model
+    batch, model = few_group_rows(ctx.batch, ctx.settings), ctx.model
     fp32 = all(p.dtype == torch.float32 for p in model.parameters())
     policy = model if fp32 else copy.deepcopy(model).float()
     policy.eval()

@@ -22,6 +22,7 @@ from grpolab.model.memory import (
     total_memory_mb,
 )
 from grpolab.model.policy import base_model
+from grpolab.model.precision import autocast
 from grpolab.rollout.common import encode_prompts
 
 
@@ -45,13 +46,14 @@ def worst_case(ctx):
     device = next(model.parameters()).device
     input_ids, attention_mask, completion_mask = _worst_batch(ctx, prompt_tokens, rows, L, device)
     model.zero_grad(set_to_none=True)
-    model.train()  # as the trainer runs it: gradient checkpointing and dropout on
+    model.train()  # as the trainer runs it: gradient checkpointing, dropout, its precision
     tic = time.perf_counter()
     with peak_memory(device) as probe:
-        logp, mask = impl.sequence_logprobs(
-            model, input_ids, attention_mask, completion_mask, cfg.rollout.temperature or 1.0,
-            **packed,
-        )  # fmt: skip
+        with autocast(ctx.settings.precision, device):  # the forward only, as the trainer's
+            logp, mask = impl.sequence_logprobs(
+                model, input_ids, attention_mask, completion_mask, cfg.rollout.temperature or 1.0,
+                **packed,
+            )  # fmt: skip
         loss, _ = impl.grpo_loss(
             logp, logp.detach(), None, torch.ones(rows, device=device), mask,
             loss_agg=cfg.objective.loss_type, max_completion_length=L,

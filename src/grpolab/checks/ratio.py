@@ -7,7 +7,7 @@ import torch
 
 from grpolab import core
 from grpolab.check import Check
-from grpolab.checks.context import grad_rows, signed_advantages
+from grpolab.checks.context import few_group_rows, signed_advantages
 from grpolab.checks.tolerance import precision_tolerance, tolerance_text
 from grpolab.model.policy import eval_mode
 from grpolab.objective.base import max_abs
@@ -18,7 +18,7 @@ def old_logprobs(ctx):
     the trainer runs it (dropout left on would show here), no gradient; once per run."""
 
     def compute():
-        batch = grad_rows(ctx.batch, ctx.settings)
+        batch = few_group_rows(ctx.batch, ctx.settings)
         args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
         args += (ctx.objective.temperature,)
         ctx.model.train()
