@@ -100,6 +100,37 @@ def test_dynamic_sampling_keeps_informative_groups_out_of_flat_ones(tmp_path):
     assert bool((std[~in_loss] <= 1e-4).all())  # the fill: no variance, out of the loss
 
 
+NOISY = """
+import random
+
+def noisy(completions, **kwargs):
+    with open({log!r}, "a") as f:
+        f.write(f"{{len(completions)}}\\n")
+    return [float(random.random() < 0.5) for _ in completions]
+"""
+
+
+def test_dynamic_sampling_trains_each_group_on_the_scores_it_was_kept_for(tmp_path):
+    # A stochastic reward (a coin per sample: a group of 4 is flat 1 time in 8) scored
+    # again after the choice could make a kept group flat in the loss; scored once, never.
+    log = tmp_path / "calls.txt"
+    (tmp_path / "noisy.py").write_text(NOISY.format(log=str(log)))
+    run = _run(
+        tmp_path / "run", "objective.dynamic_sampling=true",
+        "objective.dynamic_sampling_max_rounds=3",
+        f"rewards.functions=[{tmp_path / 'noisy.py'}:noisy]",
+    )  # fmt: skip
+    for step in (1, 2, 3):
+        log.write_text("")
+        metrics, batch = grpo_step(run, step)
+        called = sum(int(n) for n in log.read_text().split())
+        assert called == metrics["dynamic/groups_generated"] * 4  # each sample scored once
+        in_loss = batch.loss_rows.view(-1, 4)[:, 0].bool()
+        std = batch.rewards.view(-1, 4).std(dim=1, unbiased=False)
+        assert in_loss.sum() == metrics["dynamic/groups_kept"]
+        assert bool((std[in_loss] > 1e-4).all())  # a kept group varies in the loss
+
+
 def test_truncated_completions_leave_the_loss(tmp_path):
     run = _run(
         tmp_path, "objective.mask_truncated_completions=true", "rollout.max_completion_length=3"

@@ -76,10 +76,15 @@ class RewardResult:
     metrics: dict[str, float]
     error_texts: dict[str, str] = field(default_factory=dict)  # name -> its last failure
     scorable: torch.Tensor | None = None  # [B] bool; None: every sample
+    # The samples the functions were called on, that `errors` counts among: B, or more when
+    # the rows were kept from several scored rounds (gather_scores).
+    samples: int | None = None
 
     def __post_init__(self) -> None:
         if self.scorable is None:
             self.scorable = torch.ones(self.total.shape, dtype=torch.bool)
+        if self.samples is None:
+            self.samples = self.total.shape[0]
 
 
 class Rewards(list):
@@ -309,15 +314,64 @@ def _run_rewards(rewards: Rewards, completions: list[str], columns: dict, conver
         per_function[fn.name] = t
         errors[fn.name] = n_errors
         total += fn.weight * torch.nan_to_num(t, nan=0.0)
-        valid = t[~t.isnan()]
-        metrics[f"rewards/{fn.name}/mean"] = valid.mean().item() if valid.numel() else 0.0
-        metrics[f"rewards/{fn.name}/std"] = (
-            valid.std(unbiased=False).item() if valid.numel() else 0.0
-        )
-        metrics[f"reward_errors/{fn.name}"] = float(n_errors)
-        if valid.numel() < B:
-            metrics[f"rewards/{fn.name}/none_frac"] = 1 - valid.numel() / B
+        metrics |= _function_metrics(fn.name, t, n_errors)
     return total, per_function, errors, metrics, error_texts
+
+
+def _function_metrics(name: str, values: torch.Tensor, n_errors: int) -> dict[str, float]:
+    """A function's mean and spread over the samples it scored ([B], NaN: None), its errors,
+    and the share it gave None (when any)."""
+    valid = values[~values.isnan()]
+    metrics = {
+        f"rewards/{name}/mean": valid.mean().item() if valid.numel() else 0.0,
+        f"rewards/{name}/std": valid.std(unbiased=False).item() if valid.numel() else 0.0,
+        f"reward_errors/{name}": float(n_errors),
+    }
+    if valid.numel() < values.numel():
+        metrics[f"rewards/{name}/none_frac"] = 1 - valid.numel() / values.numel()
+    return metrics
+
+
+def gather_scores(
+    kept: Sequence[tuple[RewardResult, slice]],
+    rounds: Sequence[RewardResult],
+    rollout: Rollout,
+    zero_std_eps: float = ZERO_STD_EPS,
+) -> RewardResult:
+    """The scores of rows kept from several scored rounds as one result for `rollout` (those
+    rows in that order): kept = (a round's result, the rows taken from it) each. Every
+    sample keeps the scores it was kept for (a stochastic reward scored again could make a
+    kept group flat); `errors` counts every failure of every round's calls, out of all the
+    samples they scored (`samples`)."""
+    names = dict.fromkeys(n for r in rounds for n in r.per_function)  # in call order
+
+    def column(name: str) -> torch.Tensor:
+        return torch.cat([
+            r.per_function[name][rows] if name in r.per_function
+            else torch.full_like(r.total[rows], math.nan)
+            for r, rows in kept
+        ])  # fmt: skip
+
+    total = torch.cat([r.total[rows] for r, rows in kept])
+    per_function = {name: column(name) for name in names}
+    scorable = torch.cat([r.scorable[rows] for r, rows in kept])
+    errors = {n: sum(r.errors.get(n, 0) for r in rounds) for n in dict.fromkeys(
+        n for r in rounds for n in r.errors)}  # fmt: skip
+    metrics: dict[str, float] = {}
+    for name, values in per_function.items():
+        if name in errors:
+            metrics |= _function_metrics(name, values, errors[name])
+        else:  # the environment's reward, as _environment_reward reports it
+            valid = values[~values.isnan()]
+            metrics[f"rewards/{name}/mean"] = valid.mean().item() if valid.numel() else 0.0
+    G = _group_size(rollout.group_ids)
+    metrics |= _batch_metrics(total, scorable, G, zero_std_eps, rollout)
+    error_texts = {n: t for r in rounds for n, t in r.error_texts.items()}
+    samples = sum(r.samples for r in rounds)
+    return RewardResult(
+        total=total, per_function=per_function, errors=errors, metrics=metrics,
+        error_texts=error_texts, scorable=scorable, samples=samples,
+    )  # fmt: skip
 
 
 def flat_groups(total: torch.Tensor, G: int, eps: float = ZERO_STD_EPS) -> torch.Tensor:
@@ -417,6 +471,7 @@ __all__ = [
     "RewardResult",
     "Rewards",
     "RewardsConfig",
+    "gather_scores",
     "load_rewards",
     "remote",
     "score",

@@ -444,7 +444,7 @@ def count_reward_failures(session: Session, batch: StepBatch) -> list[str]:
     streaks = session.progress.setdefault("reward_failure_streak", {})
     failing = []
     for fn in run.rewards:
-        everywhere = batch.scores.errors.get(fn.name, 0) >= batch.rows
+        everywhere = batch.scores.errors.get(fn.name, 0) >= batch.scores.samples
         everywhere = not dist_module.any_rank(not everywhere, run.dist)
         streaks[fn.name] = streaks.get(fn.name, 0) + 1 if everywhere else 0
         if everywhere:

@@ -24,7 +24,7 @@ from grpolab.config import skips_zero_advantage
 from grpolab.model import dist as dist_module
 from grpolab.model.packed import token_budget_parts
 from grpolab.model.precision import autocast
-from grpolab.rewards import RewardResult, flat_verdicts, score
+from grpolab.rewards import RewardResult, flat_verdicts, gather_scores, score
 from grpolab.rollout.base import Rollout
 from grpolab.tasks.base import Example
 from grpolab.train.evaluate import correct_answers, task_strict_correct
@@ -256,22 +256,25 @@ def keep_informative(run: Run, step: int, first, timings: dict[str, float]):
     normaliser). Returns (examples, rollout, scores, loss_rows [B], counts for the metrics)."""
     cfg, o = run.cfg, run.objective
     G, need = cfg.batch.num_generations, cfg.batch.prompts_per_step
-    kept: list[tuple[Example, Rollout]] = []
-    dropped: list[tuple[Example, Rollout]] = []
-    rounds, generated = [first], 0
+    # A group: (its example, its rollout rows, (its round's scores, its rows there)).
+    kept: list[tuple[Example, Rollout, tuple[RewardResult, slice]]] = []
+    dropped: list[tuple[Example, Rollout, tuple[RewardResult, slice]]] = []
+    rounds, scored, generated = [first], [], 0
     while rounds:
         examples, rollout, scores = rounds.pop()
+        scored.append(scores)
         keep = run.functions.informative_groups(scores.total, G, o.advantage_eps)
         for g, example in enumerate(examples):
-            group = (example, rollout.rows(slice(g * G, (g + 1) * G)))
+            rows = slice(g * G, (g + 1) * G)
+            group = (example, rollout.rows(rows), (scores, rows))
             (kept if bool(keep[g]) else dropped).append(group)
         generated += len(examples)
         extra_round = generated // need
         if len(kept) < need and extra_round <= o.dynamic_sampling_max_rounds:
             rounds.append(sample_and_score(run, step, extra_round, timings))
     chosen = kept[:need] + dropped[: max(0, need - len(kept))]
-    examples = [e for e, _ in chosen]
-    rollout = cat_rollouts([r for _, r in chosen])
+    examples = [e for e, _, _ in chosen]
+    rollout = cat_rollouts([r for _, r, _ in chosen])
     n_kept = min(len(kept), need)
     loss_rows = torch.tensor([1.0] * n_kept * G + [0.0] * (need - n_kept) * G)
     counts = {
@@ -279,7 +282,10 @@ def keep_informative(run: Run, step: int, first, timings: dict[str, float]):
         "dynamic/groups_kept": float(n_kept),
         "dynamic/groups_filled": float(need - n_kept),
     }
-    return examples, rollout, score(rollout, examples, run.rewards), loss_rows, counts
+    # Each sample keeps the scores its group was kept for: scored again, a stochastic
+    # reward (a judge, a sampled verifier) could make a kept group flat in the loss.
+    scores = gather_scores([s for _, _, s in chosen], scored, rollout)
+    return examples, rollout, scores, loss_rows, counts
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
