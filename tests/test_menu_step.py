@@ -131,6 +131,21 @@ def test_dynamic_sampling_trains_each_group_on_the_scores_it_was_kept_for(tmp_pa
         assert bool((std[in_loss] > 1e-4).all())  # a kept group varies in the loss
 
 
+def test_a_step_whose_rows_all_lack_gradient_runs_under_a_token_budget(tmp_path):
+    # Every group flat (a constant reward): every row is skipped, each micro-batch's cut is
+    # left empty before it is packed; the step updates nothing and goes on.
+    (tmp_path / "flat.py").write_text("def flat(completions, **kwargs):\n"
+                                      "    return [1.0 for _ in completions]\n")  # fmt: skip
+    run = _run(
+        tmp_path / "run", "batch.max_tokens_per_microbatch=64",
+        f"rewards.functions=[{tmp_path / 'flat.py'}:flat]",
+    )  # fmt: skip
+    before = [p.detach().clone() for p in run.model.parameters()]
+    metrics, batch = grpo_step(run, 1)
+    assert bool(batch.skip_rows.all()) and metrics["frac_reward_zero_std"] == 1.0
+    assert all(torch.equal(a, p) for a, p in zip(before, run.model.parameters(), strict=True))
+
+
 def test_truncated_completions_leave_the_loss(tmp_path):
     run = _run(
         tmp_path, "objective.mask_truncated_completions=true", "rollout.max_completion_length=3"

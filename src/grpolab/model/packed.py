@@ -56,7 +56,7 @@ def _groups(input_ids, attention_mask, P: int, share: bool) -> list[list[int]]:
     """Runs of consecutive rows with the same prompt columns [0, P) (one row each unless
     `share`)."""
     B = input_ids.shape[0]
-    if not share or P == 0:
+    if not share or P == 0 or B == 0:
         return [[r] for r in range(B)]
     ids, attn = input_ids[:, :P], attention_mask[:, :P]
     same = ((ids[1:] == ids[:-1]).all(1) & (attn[1:] == attn[:-1]).all(1)).tolist()
