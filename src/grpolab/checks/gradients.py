@@ -179,10 +179,12 @@ def logprob_distances(
     return out
 
 
-def batch_loss(impl: CoreFunctions, s: PreflightSettings, advantages: torch.Tensor, L: int):
+def batch_loss(impl: CoreFunctions, s: PreflightSettings, advantages: torch.Tensor, T: int):
     """loss_of(logp, mask, rows): the implementation's loss of `rows` (all by default) with
-    their `advantages` [B], at a ratio of exp(-0.05) to a detached logp_old, no KL."""
+    their `advantages` [B], at a ratio of exp(-0.05) to a detached logp_old, no KL; T: the
+    batch's width (the completion length the loss is told when none is configured)."""
     o = s.objective
+    L = o.max_completion_length or T
 
     def loss_of(logp, mask, rows=slice(None)) -> torch.Tensor:
         kwargs = o.loss_kwargs() | {"beta": 0.0, "max_completion_length": L}
@@ -217,7 +219,7 @@ def one_pass(ctx, batch: PreflightBatch, advantages: torch.Tensor) -> OnePass:
     and loss: computed once)."""
     s, impl, model = ctx.settings, ctx.impl, ctx.model
     args = batch_args(batch, s)
-    loss_of = batch_loss(impl, s, advantages, s.objective.max_completion_length or args[0].shape[1])
+    loss_of = batch_loss(impl, s, advantages, args[0].shape[1])
 
     def compute() -> OnePass:
         reference_fn = reference_logprobs(impl)
@@ -231,7 +233,7 @@ def one_pass(ctx, batch: PreflightBatch, advantages: torch.Tensor) -> OnePass:
         valid = args[2][:, 1:].bool()
         return OnePass(ref_logp, reference, grad, _max_gap(logp.detach()[valid], ref_logp[valid]))
 
-    rows = ",".join(map(str, args[0].shape))
+    rows = hash(tuple(args[0].flatten().tolist()))  # the same token rows
     return ctx.memo(f"one pass {rows} {advantages.tolist()}", compute)
 
 
@@ -244,7 +246,7 @@ def accumulated_gradients(
     scale_fn(loss_type, its mask, the whole batch's mask), relative to max |grad|."""
     s, impl, model = ctx.settings, ctx.impl, ctx.model
     args = batch_args(batch, s)
-    loss_of = batch_loss(impl, s, advantages, s.objective.max_completion_length or args[0].shape[1])
+    loss_of = batch_loss(impl, s, advantages, args[0].shape[1])
     whole = one_pass(ctx, batch, advantages)
     logprobs = in_precision(impl.sequence_logprobs, s.precision)
     model.zero_grad(set_to_none=True)

@@ -47,7 +47,7 @@ def packing_exact(ctx):
     B = batch.input_ids.shape[0]
     args = batch_args(batch, s)
     advantages = alternating(B)  # split.gradient_invariance's: their one pass is shared
-    loss_of = batch_loss(impl, s, advantages, s.objective.max_completion_length or args[0].shape[1])
+    loss_of = batch_loss(impl, s, advantages, args[0].shape[1])
     padded = one_pass(ctx, batch, advantages)  # the plain path's distance: the tolerance's
 
     def packed(model, *args):

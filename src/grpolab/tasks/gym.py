@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 from collections.abc import Callable
 from typing import Any
 
 from grpolab.tasks.base import GENERATED_NUM_EVAL, Example, Task, TaskConfig
+from grpolab.tasks.strict import ANSWER_IS, ANSWER_TAGS, last_boxed
 
 GYM_DEFAULT_TRAIN = 10_000  # training problems generated when task.num_train is 0
 INSTALL = "pip install 'grpolab[gym]' (reasoning-gym)"
-_ANSWER_TAGS = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-_ANSWER_IS = re.compile(r"\banswer(?:\*\*)?\s*(?:is\b\s*:?|:)", re.IGNORECASE)
 
 Scorer = Callable[[str | None, dict[str, Any]], float]
 
@@ -199,34 +197,19 @@ def _example(entry: dict[str, Any], template: str) -> Example:
 
 def final_answer(completion: str) -> str | None:
     """The completion's final answer as written (the module docstring), None when empty."""
-    tagged = _ANSWER_TAGS.findall(completion)
+    tagged = ANSWER_TAGS.findall(completion)
     if tagged:
         span = tagged[-1]
-    elif (boxed := _last_boxed(completion)) is not None:
+    elif (boxed := last_boxed(completion)) is not None:
         span = boxed
     elif "####" in completion:
         span = completion.rsplit("####", 1)[1].strip().split("\n", 1)[0]
-    elif said := [m.end() for m in _ANSWER_IS.finditer(completion)]:
+    elif said := [m.end() for m in ANSWER_IS.finditer(completion)]:
         span = completion[said[-1] :].strip().split("\n", 1)[0].rstrip(".")
     else:
         span = completion
     span = span.strip()
     return span or None
-
-
-def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for i in range(begin, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            if depth == 0:
-                return text[begin:i]
-            depth -= 1
-    return None
 
 
 def entry_of(example: Example) -> dict[str, Any]:

@@ -81,7 +81,7 @@ def strict_equal(completion: str, reference: str, kind: str = "number") -> bool:
 
 
 def _number_answer(completion: str) -> str | None:
-    boxed = _last_boxed(completion)
+    boxed = last_boxed(completion)
     if boxed is not None:
         return _normalise(boxed) or None
     if "####" in completion:
@@ -94,9 +94,9 @@ def _number_answer(completion: str) -> str | None:
 
 # --- Text and letters ------------------------------------------------------------------------
 
-_ANSWER_TAGS = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+ANSWER_TAGS = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 # "The answer is", "Final answer:", "**Answer:**", "answer is:" (not "answers", "answered").
-_ANSWER_IS = re.compile(r"\banswer(?:\*\*|__)?\s*(?:is\b\s*:?|:)", re.IGNORECASE)
+ANSWER_IS = re.compile(r"\banswer(?:\*\*|__)?\s*(?:is\b\s*:?|:)", re.IGNORECASE)
 _TEXT_COMMAND = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf)\{([^{}]*)\}")
 _QUOTES = "\u201c\u201d\u2018\u2019\u00ab\u00bb"
 _SURROUNDING = string.punctuation + _QUOTES + string.whitespace
@@ -107,15 +107,15 @@ _LETTER = re.compile(r"\(([A-Za-z])\)[.:]?(?:\s.*)?|([A-Za-z])(?:[.:)](?:\s.*)?)
 
 def _final_span(completion: str) -> str:
     """Where a string or choice answer is written (see the module docstring)."""
-    boxed = _last_boxed(completion)
+    boxed = last_boxed(completion)
     if boxed is not None:
         return boxed
     if "####" in completion:
         return completion.rsplit("####", 1)[1].strip().split("\n", 1)[0]
-    tagged = _ANSWER_TAGS.findall(completion)
+    tagged = ANSWER_TAGS.findall(completion)
     if tagged:
         return tagged[-1]
-    said = [m.end() for m in _ANSWER_IS.finditer(completion)]
+    said = [m.end() for m in ANSWER_IS.finditer(completion)]
     if said:
         return completion[said[-1] :].strip().split("\n", 1)[0]
     return completion
@@ -143,24 +143,24 @@ _INLINE_MATH = re.compile(r"\$([^$]+)\$|\\\((.+?)\\\)", re.DOTALL)
 
 def _math_answer(completion: str) -> str | None:
     """A symbolic final answer, normalised as text (see the module docstring)."""
-    boxed = _last_boxed(completion)
+    boxed = last_boxed(completion)
     if boxed is not None:
         return _normalise(boxed) or None
     if "####" in completion:
         return _normalise(completion.rsplit("####", 1)[1].strip().split("\n", 1)[0]) or None
     for found in (
-        _ANSWER_TAGS.findall(completion),
+        ANSWER_TAGS.findall(completion),
         ["".join(m) for m in _INLINE_MATH.findall(completion)],
     ):
         if found:
             return _normalise(found[-1]) or None
-    said = [m.end() for m in _ANSWER_IS.finditer(completion)]
+    said = [m.end() for m in ANSWER_IS.finditer(completion)]
     if said:
         return _normalise(completion[said[-1] :].strip().split("\n", 1)[0]) or None
     return _number_answer(completion)
 
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
     """The content of the last \\boxed{...} (nested braces kept), None if there is none."""
     start = text.rfind("\\boxed{")
     if start < 0:
