@@ -219,7 +219,7 @@ def test_a_profile_convention_yields_to_a_key_it_conflicts_with():
 
     cfg = load_config(None, ["objective.profile=verl", "objective.loss_type=cispo",
                              "objective.epsilon_high=5"])  # fmt: skip
-    assert cfg.objective.dual_clip is None and objective_of(cfg).surrogate == "cispo"
+    assert cfg.objective.dual_clip is None and objective_of(cfg).policy_term == "cispo"
     assert cfg.objective.kl_clamp == 10.0  # the rest of verl's conventions stay
     assert load_notes(cfg) == [
         "profile verl's dual_clip=3.0 not applied: objective.loss_type=cispo (CISPO has no "

@@ -1,6 +1,7 @@
 """The profiles and the menu in a real training step: config resolution, dynamic sampling,
 truncated completions, and what a user's functions must take."""
 
+import copy
 import inspect
 from pathlib import Path
 
@@ -192,3 +193,36 @@ def test_a_users_functions_are_adapted_once_and_keep_their_signature(tmp_path):
     metrics, _ = grpo_step(run, 1)
     assert run.functions.source["group_advantages"].endswith("trl_advantages.py")
     assert "loss" in metrics
+
+
+def test_top_entropy_quantile_trains_the_top_share_of_the_sampling_policys_tokens(tmp_path):
+    run = _run(tmp_path, "objective.top_entropy_quantile=0.25", "runtime.skip_zero_advantage=false")
+    start = copy.deepcopy(run.model)  # the policy that sampled, before the step's update
+    metrics, batch = grpo_step(run, 1)
+    kept = batch.before["top_entropy"].bool()  # [B, T-1]
+    # The reference: the naive float64 entropy of the start model over the loss's tokens.
+    with torch.no_grad():
+        logits = start(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logp = torch.log_softmax(logits[:, :-1].double() / run.objective.temperature, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)  # [B, T-1]
+    mask = batch.completion_mask[:, 1:].bool()
+    threshold = torch.quantile(entropy[mask], 0.75)
+    expected = (entropy >= threshold) & mask
+    near = (entropy - threshold).abs() <= 1e-4  # float32 rounding may put these either side
+    assert int(((kept != expected) & ~near).sum()) == 0
+    assert not (kept & ~mask).any()
+    share = int(expected.sum()) / int(mask.sum())
+    assert abs(metrics["entropy_quantile/kept_frac"] - share) <= 1 / int(mask.sum()) + 1e-9
+    assert 0.15 < share < 0.35
+
+
+def test_the_surrogate_is_its_own_key_apart_from_the_normaliser(tmp_path):
+    run = _run(tmp_path / "sapo", "objective.surrogate=sapo", "objective.loss_type=token")
+    assert (run.objective.policy_term, run.objective.aggregation) == ("sapo", "token")
+    assert run.objective.loss_kwargs()["surrogate"] == "sapo"
+    metrics, _ = grpo_step(run, 1)
+    assert "clip_frac_low" not in metrics  # SAPO has no hard clip sides
+    alias = load_config(None, ["objective.loss_type=sapo"]).objective
+    assert (alias.surrogate, alias.policy_term, alias.aggregation) == (None, "sapo", "sequence")
+    with pytest.raises(ConfigError, match=r"objective\.surrogate"):
+        load_config(None, ["objective.loss_type=cispo", "objective.surrogate=sapo"])

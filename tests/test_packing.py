@@ -31,6 +31,7 @@ from grpolab.model.prefix import body_hidden
 from grpolab.rollout import SamplingParams
 from grpolab.rollout.hf import HFEngine
 from grpolab.train.loop import train
+from grpolab.train.setup import BatchPlan, StepSettings
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 MUTANTS = Path(__file__).parent / "mutants"
@@ -160,8 +161,8 @@ def test_the_step_cuts_each_micro_batch_by_the_budget_and_skips_rows_as_padded(t
 
     class Run:  # what micro_batches reads of a run
         plan = Plan()
+        settings = StepSettings.of(cfg, BatchPlan.of(cfg))
 
-    Run.cfg = cfg
     batch.skip_rows = torch.zeros(12, dtype=torch.bool)
     batch.skip_rows[[1, 7]] = True
     stats = UpdateStats()
@@ -178,9 +179,9 @@ def test_the_step_cuts_each_micro_batch_by_the_budget_and_skips_rows_as_padded(t
         assert packed.input_ids.shape[1] <= 40 or len(cut) == 1
 
 
-class _Run:  # what the check reads of the preflight's run: its config
+class _Run:  # what the check reads of the preflight's run: its step settings
     def __init__(self, cfg):
-        self.cfg = cfg
+        self.settings = StepSettings.of(cfg, BatchPlan.of(cfg))
 
 
 def packing_exact(impl, model, batch, cfg, precision=None):

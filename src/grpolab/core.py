@@ -8,8 +8,9 @@ input_ids[:, 1:].
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import field
 
 import torch
 
@@ -27,6 +28,7 @@ from grpolab.objective import (
     PROFILE_SOURCES,
     PROFILES,
     SURROGATES,
+    UNIT_FUNCTIONS,
     Objective,
     accepted_kwargs,
     aggregation,
@@ -425,7 +427,8 @@ def grpo_loss(
     gradient): its masked mean is the metric "entropy".
     `options`: the objective's units' keywords (grpolab.objective: LOSS_OPTION_DEFAULTS):
     policy_loss's (importance_sampling_level, delta, dual_clip, log_ratio_clamp; a loss_agg
-    naming a registered surrogate, "cispo" or "sapo", picks it, with its own options); the
+    naming a registered surrogate, "cispo" or "sapo", picks it, with its own options, as does
+    `surrogate` whatever the loss_agg); the
     KL's (kl_estimator, kl_clamp, use_bias_correction_kl: the KL term times the importance
     ratio, TRL's default); entropy_coef (entropy_coef * entropy subtracted from each token's
     loss: an entropy bonus, aggregated like the rest).
@@ -440,8 +443,8 @@ def grpo_loss(
         raise ValueError(f"beta must be >= 0, got {beta}")
     if beta > 0 and logp_ref is None:
         raise ValueError(f"beta={beta} > 0 needs logp_ref (reference log-probs), got None")
+    surrogate = options.pop("surrogate", None) or surrogate_of(loss_agg)
     policy, kl_options, entropy_coef = _split_loss_options(loss_agg, options)
-    surrogate = surrogate_of(loss_agg)
     per_token, clip_frac = policy_loss(
         logp_new, logp_old, advantages, mask, eps_low, eps_high, loss=surrogate, **policy
     )
@@ -528,31 +531,29 @@ CORE_FUNCTIONS = (
     "aggregate",
     "grpo_loss",
 )
-# The menu's own steps a user's file may also replace (each checked when its option is on).
-MENU_FUNCTIONS = ("tis_weights", "informative_groups", "truncation_mask", "micro_batch_scale")
+# The step functions the objective's units bring (tis_weights, informative_groups, ...:
+# grpolab.objective.UNIT_FUNCTIONS) and the micro-batch scaling of gradient accumulation: a
+# user's file may replace these too (each checked when its option is on).
+MENU_FUNCTIONS = (*UNIT_FUNCTIONS, "micro_batch_scale")
+_GRPOLAB_FUNCTIONS = (
+    {name: globals()[name] for name in CORE_FUNCTIONS}
+    | UNIT_FUNCTIONS
+    | {"micro_batch_scale": micro_batch_scale}
+)
 
-
-@dataclass
-class CoreFunctions:
-    """The six functions a GRPO step calls (and the menu's three, and the micro-batch scaling
-    of gradient accumulation), and where each came from
-    ("grpolab" or a user's file). The trainer, the preflight, `--impl` and the drill all run
-    through one of these; `grpolab.functions.core_functions` chooses it."""
-
-    sequence_logprobs: Callable = sequence_logprobs
-    group_advantages: Callable = group_advantages
-    policy_loss: Callable = policy_loss
-    kl_k3: Callable = kl_k3
-    aggregate: Callable = aggregate
-    grpo_loss: Callable = grpo_loss
-    tis_weights: Callable = tis_weights
-    informative_groups: Callable = informative_groups
-    truncation_mask: Callable = truncation_mask
-    micro_batch_scale: Callable = micro_batch_scale
-    source: dict[str, str] = field(
-        default_factory=lambda: dict.fromkeys(CORE_FUNCTIONS + MENU_FUNCTIONS, "grpolab")
-    )
-    path: str | None = None  # the user's file, when one replaced any function
+CoreFunctions = dataclasses.make_dataclass(
+    "CoreFunctions",
+    [(name, Callable, field(default=fn)) for name, fn in _GRPOLAB_FUNCTIONS.items()]
+    + [
+        ("source", dict[str, str], field(
+            default_factory=lambda: dict.fromkeys(_GRPOLAB_FUNCTIONS, "grpolab"))),
+        ("path", str | None, field(default=None)),  # the user's file, when it replaced any
+    ],
+)  # fmt: skip
+CoreFunctions.__doc__ = """The six functions a GRPO step calls, the units' step functions and
+the micro-batch scaling of gradient accumulation, by name, and where each came from
+(`source`: "grpolab" or a user's file). The trainer, the preflight, `--impl` and the drill all
+run through one of these; `grpolab.functions.core_functions` chooses it."""
 
 
 # --- Input validation -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 from grpolab import core
 from grpolab.check import Check, Mutant
 from grpolab.checks import reference
+from grpolab.objective import estimator_of
 from grpolab.objective.base import max_abs
 from grpolab.objective.profiles import profile_objective
 
@@ -22,9 +23,15 @@ def advantage_kwargs(o, lengths: torch.Tensor | None = None) -> dict:
     del kwargs["scale"]  # the function's default: group
     if kwargs["eps"] == 1e-4:  # the seed's default: a function without eps is checked as before
         del kwargs["eps"]
-    if o.advantage_estimator == "reinforce_pp" and lengths is not None:
+    estimator = estimator_of(o)
+    if estimator is not None and estimator.token_weighted and lengths is not None:
         kwargs["lengths"] = lengths
     return kwargs
+
+
+def batch_whitened(o) -> bool:
+    estimator = estimator_of(o)
+    return estimator is not None and estimator.batch_whitened
 
 
 def advantages_of(ctx, rewards, group_size: int, lengths) -> torch.Tensor:
@@ -76,7 +83,7 @@ def group_sums(ctx):
     )
     return ctx.result(
         "max |sum of a group's advantages"
-        + ("" if o.advantage_estimator != "reinforce_pp" else " - the whitened reference's")
+        + (" - the whitened reference's" if batch_whitened(o) else "")
         + f"| on the real batch (G = {G}) and designed rewards (G = 4)",
         sums,
         "<= 1e-4",
@@ -119,7 +126,7 @@ def zero_std_groups(ctx):
         worst = max_abs(flat - flat_ref)
         what, expected = "max |adv - (r - mean) / (std + eps)| (no zero-std guard)", "<= 1e-6"
         ok = worst <= 1e-6
-        if o.advantage_estimator != "reinforce_pp":  # whitening moves every group
+        if not batch_whitened(o):  # whitening over the batch moves every group
             ok = ok and max_abs(adv.view(-1, 4)[1]) == 0.0
     return ctx.result(
         f"{what} in an equal-reward group and a 1e-9-noise group (designed rewards, G = 4)",

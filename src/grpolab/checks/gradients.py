@@ -17,7 +17,6 @@ from grpolab.check import Check, Mutant
 from grpolab.checks.context import PreflightBatch, PreflightSettings, few_group_rows
 from grpolab.checks.reference import float64_logprobs
 from grpolab.checks.tolerance import precision_tolerance, tolerance_text
-from grpolab.config import skips_zero_advantage
 from grpolab.core import CoreFunctions
 from grpolab.model.precision import Precision, autocast
 
@@ -356,7 +355,7 @@ CHECKS = (
         "the chunked lm-head path is further from float64 than the seed's log-softmax on this "
         "model: set runtime.logprobs=naive and report the model",
         fused_vs_naive,
-        when=lambda ctx: ctx.run.cfg.runtime.logprobs == "fused",
+        when=lambda ctx: ctx.run.settings.fused_logprobs,
         stage="run",
     ),
     Check(
@@ -374,7 +373,7 @@ CHECKS = (
         "the ratio) and the skipped rows must stay in the normaliser; a loss with a term that "
         "reads every row needs runtime.skip_zero_advantage=false",
         skip_invariance,
-        when=lambda ctx: skips_zero_advantage(ctx.run.cfg, ctx.run.dist.on),
+        when=lambda ctx: ctx.run.settings.skip_zero_advantage,
         stage="run",
         mutants=(Mutant("loss_reads_every_row"),),
     ),

@@ -11,6 +11,7 @@ import torch
 from grpolab import core
 from grpolab.check import Check, Mutant
 from grpolab.checks.context import PreflightBatch, grad_rows, signed_advantages
+from grpolab.objective import rows_can_leave_loss
 from grpolab.objective.base import max_abs
 
 UNEQUAL_LENGTHS = (6, 1, 3, 4)
@@ -179,7 +180,7 @@ def token_count(ctx):
     o = ctx.objective
     mask = ctx.batch.completion_mask[:, 1:].float()
     B = mask.shape[0]
-    if o.mask_truncated_completions or o.dynamic_sampling:
+    if rows_can_leave_loss(o):
         mask[[1, B // 2 + 1]] = 0.0  # a truncated row and a filler: out of the loss
     L = o.max_completion_length or mask.shape[1]
     minibatch = min(ctx.settings.minibatch or B, B)
@@ -219,7 +220,7 @@ def minibatch_invariance(ctx):
     T = max(MINIBATCH_LENGTHS)
     lengths = torch.tensor(MINIBATCH_LENGTHS)
     mask = (torch.arange(T)[None, :] < lengths[:, None]).double()  # [9, T]
-    if o.mask_truncated_completions or o.dynamic_sampling:
+    if rows_can_leave_loss(o):
         mask[[2, 6]] = 0.0  # a truncated row and a filler: out of the loss
     g = torch.Generator().manual_seed(ctx.settings.seed + 3)
     logp = -torch.rand(mask.shape, generator=g, dtype=torch.float64) - 0.1  # [9, T]

@@ -57,7 +57,7 @@ def packing_exact(ctx):
     valid = batch.completion_mask[:, 1:].bool()
     # The packed micro-batches, accumulated as the trainer does.
     model.zero_grad(set_to_none=True)
-    budget = check_budget(batch, ctx.run.cfg.batch.max_tokens_per_microbatch)
+    budget = check_budget(batch, ctx.run.settings.max_tokens_per_microbatch)
     unit_mask = batch.completion_mask[:, 1:]
     packed_logp = 0.0
     parts = token_budget_parts(*args[:3], budget)
@@ -93,7 +93,7 @@ CHECKS = (
         "micro-batch's loss must be scaled by its share of the whole batch's normaliser",
         packing_exact,
         when=lambda ctx: (
-            ctx.run.cfg.batch.max_tokens_per_microbatch is not None
+            ctx.run.settings.max_tokens_per_microbatch is not None
             and ctx.takes("sequence_logprobs", "packed")
         ),
         stage="run",

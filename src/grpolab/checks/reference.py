@@ -82,11 +82,11 @@ def log_ratio_bounds(o: Objective) -> list[float]:
     """Every log-ratio at which the declared policy term changes branch (sorted): the clip's
     1 - eps and 1 + eps_high with delta and dual-clip's c, or the surrogate's own bounds; the
     log-ratio clamp."""
-    if o.surrogate == "clip":
+    if o.policy_term == "clip":
         clip = [1 - o.epsilon, 1 + o.epsilon_high]
         ratios = [*clip, *delta.BOUND.bounds(o), *dual_clip.BOUND.bounds(o)]
     else:
-        ratios = SURROGATES[o.surrogate].bounds(o)
+        ratios = SURROGATES[o.policy_term].bounds(o)
     bounds = [math.log(r) for r in ratios if r > 0]
     return sorted(set(bounds + log_ratio_clamp.bounds(o)))
 
@@ -108,8 +108,8 @@ def policy(o: Objective, logp_new, logp_old, adv, mask):
     new, valid = logp_new.double(), mask.bool()
     r = ratio(o, new, logp_old, mask)
     A = adv.double().unsqueeze(1)
-    if o.surrogate != "clip":
-        per_token, active = SURROGATES[o.surrogate].reference(r, A, new, valid, o)
+    if o.policy_term != "clip":
+        per_token, active = SURROGATES[o.policy_term].reference(r, A, new, valid, o)
     else:
         clipped = r.clamp(1 - o.epsilon, 1 + o.epsilon_high)
         unclipped = r if o.delta is None else r.clamp(max=o.delta)

@@ -13,7 +13,7 @@ from typing import Any
 from grpolab.config.sections import LoraConfig, MonitorsConfig
 from grpolab.config.tree import Config, ConfigError, ModelConfig, get, with_values
 from grpolab.model.policy import PACKAGED_MODELS
-from grpolab.objective import PROFILE_YIELDS, PROFILES, UNITS
+from grpolab.objective import PROFILE_YIELDS, PROFILES, UNITS, row_readers
 from grpolab.rewards import BUILTIN_REWARDS
 from grpolab.rollout.vllm import VLLMEngineConfig
 from grpolab.schema import Inert
@@ -43,11 +43,14 @@ FILE_TASK_KEYS = ("task.path", "task.eval_path", "task.subset", "task.split", "t
 GYM_KEYS = ("task.dataset", "task.dataset_config")
 EVAL_KEYS = ("eval.eval_steps", "eval.eval_examples", "eval.eval_max_completion_length")
 
+# The objective keys whose loss term reads every row (the units' reads_every_row).
+ROW_READER_KEYS = tuple(u.reads_every_row for u in UNITS if u.reads_every_row)
+
 CONFIG_INERT = (
-    Inert(("runtime.skip_zero_advantage",), ("objective.beta", "objective.entropy_coef"),
-          lambda c: c.objective.beta > 0 or c.objective.entropy_coef > 0,
-          "with objective.beta={c.objective.beta:g}, objective.entropy_coef="
-          "{c.objective.entropy_coef:g}: the KL term and the entropy bonus read every row, so "
+    Inert(("runtime.skip_zero_advantage",), tuple(f"objective.{k}" for k in ROW_READER_KEYS),
+          lambda c: bool(row_readers(c.objective)),
+          "with " + ", ".join(f"objective.{k}={{c.objective.{k}:g}}" for k in ROW_READER_KEYS)
+          + ": a loss term that reads every row (the KL term, the entropy bonus) is on, so "
           "none is skipped"),
     Inert(_keys("rollout.vllm", VLLMEngineConfig), ("rollout.engine",),
           lambda c: c.rollout.engine != "vllm",

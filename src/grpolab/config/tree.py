@@ -22,7 +22,7 @@ from grpolab.config.sections import (
     RuntimeConfig,
     ScheduleConfig,
 )
-from grpolab.objective import Objective, ObjectiveKeys
+from grpolab.objective import UNITS, Objective, ObjectiveKeys, row_readers
 from grpolab.rewards import RewardsConfig
 from grpolab.rollout import RolloutConfig
 from grpolab.schema import SchemaError, at_least, check_fields, key
@@ -166,9 +166,10 @@ def validate_world(cfg: Config, world: int) -> None:
          "null under parallel.strategy=fsdp (its ranks must run the same forwards)"),
         (b.prompts_per_step % world == 0, "batch.prompts_per_step", b.prompts_per_step,
          f"a multiple of the world size {world} (each rank takes whole groups)"),
-        (not cfg.objective.dynamic_sampling or world == 1, "objective.dynamic_sampling",
-         cfg.objective.dynamic_sampling,
-         "false under torchrun (each rank would keep a different number of groups)"),
+        *((not (u.keep_groups and u.active(cfg.objective)) or world == 1,
+           f"objective.{u.name}", "on",
+           "off under torchrun (each rank would keep a different number of groups)")
+          for u in UNITS if u.keep_groups),
         (mini % world == 0 and (mini // world) % b.gradient_accumulation_steps == 0,
          "batch.mini_batch_size", b.mini_batch_size,
          f"a multiple of world size {world} x gradient_accumulation_steps "
@@ -182,6 +183,5 @@ def skips_zero_advantage(cfg: Config, distributed: bool = False) -> bool:
     """Whether the update skips the rows that add exactly 0 to the gradient: their advantage
     is 0 or they are out of the loss, and no term reads them but A x (a function of the
     ratio). Not under data parallel: every rank runs the same backward passes."""
-    o = cfg.objective
-    reads_rows = o.beta > 0 or o.entropy_coef > 0
+    reads_rows = row_readers(cfg.objective)  # the KL, the entropy bonus
     return cfg.runtime.skip_zero_advantage and not reads_rows and not distributed

@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpolab.config.tree import Config, ConfigError
+from grpolab.objective import TRL_NAMES
 
-# TRL name -> grpolab's dotted key, where the two mean the same thing.
-TRL_KEYS = {
+# TRL name -> grpolab's dotted key, where the two mean the same thing (the objective's: each
+# unit declares its own, grpolab.objective.TRL_NAMES).
+TRL_KEYS = TRL_NAMES | {
     "output_dir": "output_dir",
     "max_steps": "max_steps",
     "seed": "seed",
@@ -38,20 +40,6 @@ TRL_KEYS = {
     "max_grad_norm": "optim.max_grad_norm",
     "warmup_steps": "schedule.warmup_steps",
     "num_generations": "batch.num_generations",
-    "epsilon": "objective.epsilon",
-    "epsilon_high": "objective.epsilon_high",
-    "delta": "objective.delta",
-    "beta": "objective.beta",
-    "loss_type": "objective.loss_type",
-    "num_iterations": "objective.num_iterations",
-    "importance_sampling_level": "objective.importance_sampling_level",
-    "mask_truncated_completions": "objective.mask_truncated_completions",
-    "use_bias_correction_kl": "objective.use_bias_correction_kl",
-    "sapo_temperature_pos": "objective.sapo_temperature_pos",
-    "sapo_temperature_neg": "objective.sapo_temperature_neg",
-    "vllm_importance_sampling_cap": "objective.tis_cap",
-    "vllm_importance_sampling_clip_max": "objective.tis_cap",
-    "vllm_importance_sampling_mode": "objective.tis_mode",
     "vllm_gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
     "vllm_max_model_length": "rollout.vllm.max_model_len",
     "save_steps": "checkpoints.save_steps",
@@ -109,7 +97,6 @@ TRL_DEFAULT = {
         "grpolab sums the weighted rewards, then normalises the total (TRL's default)",
     ),
     "sync_ref_model": (False, "grpolab's reference is the start model, never synced"),
-    "top_entropy_quantile": (1.0, "grpolab trains on every completion token"),
     "use_adaptive_entropy": (False, "no adaptive entropy coefficient"),
     "entropy_coef": (
         0.0,

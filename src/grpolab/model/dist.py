@@ -90,6 +90,14 @@ def all_gather_cat(x: torch.Tensor, d: Dist) -> torch.Tensor:
     return torch.cat(parts).to(x.device)
 
 
+def all_gather_varying(x: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Concatenation of every rank's 1-D tensor (lengths may differ), in rank order."""
+    if not d.on:
+        return x
+    parts = all_gather_objects(x.detach().cpu(), d)
+    return torch.cat(parts).to(x.device)
+
+
 def all_gather_objects(obj, d: Dist) -> list:
     if not d.on:
         return [obj]

@@ -8,8 +8,10 @@ the registry: `UNITS` (their order is the card's and the checks'), the `Objectiv
 built from every unit's keys, the objective card, the keywords a user's function must take,
 and the variants `loss_type` and `advantage_estimator` name.
 
-To add a surrogate: a module declaring its `Surrogate` and `Option`, listed in SURROGATES and
-UNITS below (sapo.py is the example)."""
+To add an option: a module declaring its `Option` (its keys, rules, card row, checks, TRL
+names, and the data-flow hooks and step functions it needs), listed in UNITS below
+(entropy_quantile.py is the example of a data-flow option); a surrogate also declares its
+`Surrogate`, listed in SURROGATES (sapo.py), an estimator its `Estimator` in ESTIMATORS."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from grpolab.objective import (
     dual_clip,
     dynamic_sampling,
     entropy,
+    entropy_quantile,
     gspo,
     kl,
     log_ratio_clamp,
@@ -35,7 +38,7 @@ from grpolab.objective import (
     tis,
     truncation,
 )
-from grpolab.objective.base import ALWAYS, Estimator, Needs, Option, Surrogate
+from grpolab.objective.base import ALWAYS, Estimator, Needs, Option, Passed, Surrogate
 from grpolab.objective.profiles import PROFILE, PROFILE_SOURCES, PROFILES, differs_from_seed
 from grpolab.objective.seed import SEED
 from grpolab.schema import SchemaError, check_fields, choices_of, key
@@ -51,6 +54,7 @@ LOSS_TYPE_ALIASES = {"grpo": "sequence", "bnpo": "token", "dapo": "token", "dr_g
 LOSS_TYPE_ALIASES |= {s.name: s.aggregation for s in SURROGATES.values()}
 LOSS_TYPES = (*AGGREGATIONS, *sorted(LOSS_TYPE_ALIASES))
 ADVANTAGE_ESTIMATORS = ("grpo", *ESTIMATORS)
+SURROGATE_NAMES = ("clip", *SURROGATES)
 
 
 def aggregation(loss_type: str) -> str:
@@ -73,6 +77,10 @@ class ChoiceKeys:
     loss_type: str = key("sequence", choices=LOSS_TYPES)
     # grpo | rloo (leave-one-out baseline) | reinforce_pp (group baseline, batch-whitened).
     advantage_estimator: str = key("grpo", choices=ADVANTAGE_ESTIMATORS)
+    # The policy term, apart from the normaliser: clip (the seed's clipped surrogate) | cispo
+    # | sapo; null = the one loss_type names (clip, or TRL's cispo / sapo with their own
+    # normaliser). surrogate: sapo with loss_type: sequence is SAPO normalised per sequence.
+    surrogate: str | None = key(None, choices=(None, *SURROGATE_NAMES))
 
 
 def _aggregation_card(o) -> dict[str, str]:
@@ -84,13 +92,25 @@ def _aggregation_card(o) -> dict[str, str]:
     return {"aggregation": f"{o.aggregation} ({o.loss_type}): {normaliser}{o.mark('loss_type')}"}
 
 
-def _constant_needs_length(o) -> None:
+def _choice_rules(o) -> None:
     if o.aggregation == "constant" and not o.max_completion_length:
         raise SchemaError("loss_type", o.loss_type, "max_completion_length > 0 with it")
+    named = surrogate_of(o.loss_type)
+    if o.surrogate is not None and named != "clip" and o.surrogate != named:
+        raise SchemaError(
+            "surrogate", o.surrogate, f"null or {named} with loss_type={o.loss_type} (which "
+            f"names the {named} surrogate); for {o.surrogate} with {named}'s normaliser: "
+            f"loss_type={aggregation(o.loss_type)}"
+        )  # fmt: skip
 
 
 CHOICES = Option(
-    name="choices", keys=ChoiceKeys, rules=_constant_needs_length, card=_aggregation_card
+    name="choices",
+    keys=ChoiceKeys,
+    rules=_choice_rules,
+    loss=(Passed("surrogate", "surrogate", None),),
+    card=_aggregation_card,
+    trl={"loss_type": "loss_type"},
 )
 
 # Every unit, in the order of the card's fragments and of their checks.
@@ -109,6 +129,7 @@ UNITS: tuple[Option, ...] = (
     dynamic_sampling.DYNAMIC_SAMPLING,
     truncation.TRUNCATION,
     entropy.ENTROPY,
+    entropy_quantile.ENTROPY_QUANTILE,
     rloo.RLOO,
     reinforce_pp.REINFORCE_PP,
 )
@@ -125,11 +146,12 @@ ObjectiveKeys = dataclasses.make_dataclass(
     frozen=True,
     namespace={
         "aggregation": property(lambda self: aggregation(self.loss_type)),
-        "surrogate": property(lambda self: surrogate_of(self.loss_type)),
+        "policy_term": property(lambda self: self.surrogate or surrogate_of(self.loss_type)),
     },
 )
 ObjectiveKeys.__doc__ = """Every unit's keys of the objective: the `objective` config section.
-`aggregation` and `surrogate`: what its loss_type picks."""
+`aggregation`: the normaliser its loss_type picks; `policy_term`: the surrogate it computes
+(`surrogate`, or the one its loss_type names)."""
 
 
 @dataclass(frozen=True)
@@ -195,7 +217,7 @@ class Objective(ObjectiveKeys):
     def policy_kwargs(self) -> dict[str, Any]:
         """policy_loss's options this objective sets (beyond eps_low / eps_high)."""
         kwargs = _passed(self, "loss", policy_only=True)
-        return kwargs | ({"loss": self.surrogate} if self.surrogate != "clip" else {})
+        return kwargs | ({"loss": self.policy_term} if self.policy_term != "clip" else {})
 
     def differs_from_seed(self, name: str) -> bool:
         """Whether the resolved value of a profile convention is not the seed's."""
@@ -294,18 +316,16 @@ def required_keywords(o: Objective) -> list[Needs]:
 def surrogate_needs_grpolab(o: Objective) -> str | None:
     """Why a user's grpo_loss cannot compute the declared objective (None: it can): a
     surrogate other than the clip is picked inside grpolab's grpo_loss by its loss_agg."""
-    if o.surrogate == "clip":
+    if o.policy_term == "clip":
         return None
-    return (
-        f"loss_type={o.loss_type} is computed by grpolab's grpo_loss (its loss_agg picks the "
-        "surrogate)"
-    )
+    given = f"surrogate={o.surrogate}" if o.surrogate else f"loss_type={o.loss_type}"
+    return f"{given} is computed by grpolab's grpo_loss (its loss_agg or surrogate picks it)"
 
 
 # A profile's convention that an explicitly given key makes meaningless is not applied:
 # (the convention, when it yields, why). The same value given explicitly stays an error.
 PROFILE_YIELDS: tuple[tuple[str, Callable[[Any], bool], Callable[[Any], str]], ...] = tuple(
-    (bound.key, lambda o: o.surrogate != "clip",
+    (bound.key, lambda o: o.policy_term != "clip",
      lambda o: f"{o.loss_type.upper()} has no clipped surrogate to bound")
     for bound in (dual_clip.BOUND, delta.BOUND)
 )  # fmt: skip
@@ -328,6 +348,36 @@ def objective_card(config: Any) -> str:
     return "\n".join([header, *(f"  {row:<14}{rows[row]}" for row in CARD_ROWS if row in rows)])
 
 
+def active_units(o: Objective) -> tuple[Option, ...]:
+    """The units the objective declares, in UNITS order: those whose data-flow hooks the
+    step calls."""
+    return tuple(unit for unit in UNITS if unit.active(o))
+
+
+def rows_can_leave_loss(o: Objective) -> bool:
+    """Whether a declared unit takes rows out of the loss (its loss_rows, or the filler of
+    its keep_groups)."""
+    return any(u.loss_rows or u.keep_groups for u in active_units(o))
+
+
+def row_readers(o: Any) -> list[str]:
+    """The keys whose loss term reads rows without advantage (the KL, the entropy bonus)
+    and are non-zero: the update then runs every row. `o`: an Objective or the config's
+    objective section."""
+    return [u.reads_every_row for u in UNITS if u.reads_every_row and getattr(o, u.reads_every_row)]
+
+
+def estimator_of(o: Any) -> Estimator | None:
+    """The registered estimator the objective declares (None: GRPO's own)."""
+    return ESTIMATORS.get(o.advantage_estimator)
+
+
+# Each unit's step functions, by the name a user's file replaces them by (core.CoreFunctions).
+UNIT_FUNCTIONS: dict[str, Callable] = {n: fn for u in UNITS for n, fn in u.functions.items()}
+# TRL's GRPOConfig names the units declare -> the dotted key (config.trl.TRL_KEYS).
+TRL_NAMES: dict[str, str] = {t: f"objective.{k}" for u in UNITS for t, k in u.trl.items()}
+
+
 def unit_checks() -> tuple[Check, ...]:
     """Every unit's checks, in UNITS order."""
     return tuple(c for unit in UNITS for c in unit.checks)
@@ -347,16 +397,23 @@ __all__ = [
     "PROFILE_SOURCES",
     "PROFILE_YIELDS",
     "SURROGATES",
+    "SURROGATE_NAMES",
+    "TRL_NAMES",
     "UNITS",
+    "UNIT_FUNCTIONS",
     "Objective",
     "ObjectiveKeys",
     "accepted_kwargs",
+    "active_units",
     "aggregation",
     "check_value",
     "choices",
+    "estimator_of",
     "keywords_not_taken",
     "objective_card",
     "required_keywords",
+    "row_readers",
+    "rows_can_leave_loss",
     "surrogate_needs_grpolab",
     "surrogate_of",
 ]

@@ -8,7 +8,7 @@ line, its float64 reference and its checks; `grpolab.objective` assembles them."
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,7 +57,7 @@ class ClipBound:
 
     def rules(self, o: Any) -> None:
         value = getattr(o, self.key)
-        if value is not None and o.surrogate != "clip":
+        if value is not None and o.policy_term != "clip":
             raise SchemaError(
                 self.key, value, f"null with loss_type={o.loss_type}: it bounds the clipped "
                 "surrogate, which that loss does not have"
@@ -72,7 +72,7 @@ class ClipBound:
         return Inert(
             (f"objective.{self.key}",),
             ("objective.loss_type",),
-            lambda c: c.objective.surrogate != "clip",
+            lambda c: c.objective.policy_term != "clip",
             "with objective.loss_type={c.objective.loss_type}: that loss has no clipped "
             "surrogate for it to bound",
         )
@@ -97,6 +97,36 @@ def no_card(o: Any) -> Mapping[str, str]:
     return {}
 
 
+def never(o: Any) -> bool:
+    return False
+
+
+def no_rounds(o: Any) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """The step's whole batch before any update, as a unit's `before_update` sees it."""
+
+    mask: torch.Tensor  # [B, T-1]: the tokens in the loss (rows out of it zeroed)
+    entropy: torch.Tensor | None  # [B, T-1]: the policy's, when a declared unit reads it
+    # 1-D values of every rank, concatenated in rank order (the values themselves on one
+    # process): a statistic over the global batch is the same on every rank.
+    gather: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MicroTokens:
+    """One micro-batch of the update, as a unit's `token_weights` sees it: [b, T-1] each."""
+
+    logp: torch.Tensor  # the policy's log-probs of the sampled tokens, detached
+    logp_old: torch.Tensor  # the sampling policy's (the trainer's, or the engine's)
+    engine_logprobs: torch.Tensor | None  # the engine's own, when it reports them
+    mask: torch.Tensor  # the tokens in the loss
+    before: Mapping[str, torch.Tensor]  # the units' before_update tensors, these rows
+
+
 @dataclass(frozen=True)
 class Option:
     """One unit of the objective.
@@ -111,7 +141,30 @@ class Option:
     card(o): {row of the objective card: its text}; rows are joined in registry order.
     checks: its preflight checks (grpolab.check.Check).
     inert: where its keys have no effect (grpolab.schema.Inert, on the whole config: the
-        config refuses them there)."""
+        config refuses them there).
+    trl: {TRL GRPOConfig name: its key here} for the names that mean the same.
+    functions: {name: function} the step calls for this unit, which a user's file may replace
+        by defining a function of that name (the preflight then checks it).
+
+    The data-flow hooks, each called by the step only where `active(o)` holds; `fns` is the
+    run's function table (the user's functions where given):
+    keep_groups(o, fns, rewards [B], G) -> [B // G] bool: the groups a step keeps; with
+        extra_rounds(o) > 0 the step samples further rounds of prompts until it has a
+        batch's worth, then fills with dropped groups out of the loss (their rows' loss 0).
+    loss_rows(o, fns, rollout) -> [B] float: 1 for the rows in the loss, 0 for those out of
+        it and of their group's statistics.
+    advantage_inputs(o, rollout) -> {keyword: [B] tensor}: per-row inputs of
+        group_advantages, gathered over every rank.
+    before_update(o, fns, StepTokens) -> {name: [B, T-1] tensor}: fixed for the step before
+        its first update (with reads_entropy, from the entropy of the policy that sampled).
+    token_weights(o, fns, MicroTokens) -> ([b, T-1] weights, {name: sum}): multiplies each
+        token's policy term (the product over units); the sums add up over the step.
+    metrics(o, sums) -> {metric: value}: from the step's sums over every rank; the metric
+        names start with `metric_prefix` (default: the unit's name).
+    reads_every_row: the key whose non-zero value adds a loss term that reads rows without
+        advantage (the KL, the entropy bonus): the update then runs every row.
+    engine_logprobs(o) -> str | None: the key that needs the engine's own log-probs, when
+        declared (an engine without them is refused before training)."""
 
     name: str
     keys: type | None = None
@@ -125,6 +178,19 @@ class Option:
     inert: tuple[Inert, ...] = ()
     # Keywords a step passes (not objective keys) that a user's function may leave out.
     convention_keywords: tuple[str, ...] = ()
+    trl: Mapping[str, str] = field(default_factory=dict)
+    functions: Mapping[str, Callable] = field(default_factory=dict)
+    keep_groups: Callable[..., torch.Tensor] | None = None
+    extra_rounds: Callable[[Any], int] = no_rounds
+    loss_rows: Callable[..., torch.Tensor] | None = None
+    advantage_inputs: Callable[..., Mapping[str, torch.Tensor]] | None = None
+    before_update: Callable[..., Mapping[str, torch.Tensor]] | None = None
+    reads_entropy: bool = False
+    token_weights: Callable[..., tuple[torch.Tensor, Mapping[str, float]]] | None = None
+    metrics: Callable[..., Mapping[str, float]] | None = None
+    metric_prefix: str = ""
+    reads_every_row: str | None = None
+    engine_logprobs: Callable[[Any], str | None] = lambda o: None
 
 
 @dataclass(frozen=True)
@@ -159,11 +225,16 @@ class Estimator:
         statistics weigh each row by ([n_groups, G]: token counts, 0 on rows that do not vote;
         None: equal).
     reference(rewards, G, o, lengths) -> [B]: the float64 reference, every row voting, before
-        the zero-std guard (the seed's, which applies to every estimator)."""
+        the zero-std guard (the seed's, which applies to every estimator).
+    token_weighted: group_advantages takes `lengths` (each row's completion tokens) for it.
+    batch_whitened: statistics over the whole batch move every group (a group's sum is the
+        reference's, not 0; a flat group's advantages need not be 0)."""
 
     name: str
     estimate: Callable[..., torch.Tensor]
     reference: Callable[..., torch.Tensor]
+    token_weighted: bool = False
+    batch_whitened: bool = False
 
 
 def max_abs(x: torch.Tensor) -> float:

@@ -31,7 +31,7 @@ def reference(ratio, A, new, valid, o):
 
 
 def rules(o) -> None:
-    if o.surrogate == "cispo" and not o.epsilon_high > 1:
+    if o.policy_term == "cispo" and not o.epsilon_high > 1:
         raise SchemaError(
             "epsilon_high", o.epsilon_high, "> 1 with loss_type=cispo: it is the cap on the "
             "ratio itself (e.g. 5.0)"
@@ -39,7 +39,7 @@ def rules(o) -> None:
 
 
 def _card(o) -> dict[str, str]:
-    if o.surrogate != "cispo":
+    if o.policy_term != "cispo":
         return {}
     return {"clip": f"CISPO: -sg(min(ratio, {o.epsilon_high:g})) * A * logp_new per token *"}
 
@@ -86,7 +86,7 @@ CISPO = Option(
             "CISPO: -sg(min(ratio, eps_high)) * A * logp_new: the capped ratio is detached, so "
             "d loss / d logp_new = -min(ratio, eps_high) * A on every token",
             cispo_gradient,
-            when=lambda ctx: ctx.objective.surrogate == "cispo",
+            when=lambda ctx: ctx.objective.policy_term == "cispo",
             mutants=(Mutant("cispo_no_detach", CISPO_DECLARED),),
             blame_before="clip.values",
             declared_only=True,

@@ -27,6 +27,7 @@ def _card(o) -> dict[str, str]:
 
 DELTA = Option(
     name="delta",
+    trl={"delta": "delta"},
     keys=DeltaKeys,
     rules=BOUND.rules,
     loss=(Passed("delta", "delta", None, policy=True),),

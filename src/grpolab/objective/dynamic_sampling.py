@@ -29,6 +29,16 @@ def informative_groups(rewards: torch.Tensor, group_size: int, eps: float = 1e-4
     return r.std(dim=1, unbiased=False) > eps
 
 
+def _active(o) -> bool:
+    return o.dynamic_sampling
+
+
+def keep_groups(o, fns, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[B] rewards -> [B // G] bool: the groups whose rewards vary (the function table's
+    informative_groups, a user's where given)."""
+    return fns.informative_groups(rewards, group_size, o.advantage_eps)
+
+
 def _card(o) -> dict[str, str]:
     if not o.dynamic_sampling:
         return {}
@@ -58,7 +68,12 @@ def normaliser(ctx):
 DYNAMIC_SAMPLING = Option(
     name="dynamic_sampling",
     keys=DynamicSamplingKeys,
+    active=_active,
     card=_card,
+    functions={"informative_groups": informative_groups},
+    keep_groups=keep_groups,
+    extra_rounds=lambda o: o.dynamic_sampling_max_rounds,
+    metric_prefix="dynamic",
     inert=(
         Inert(
             ("objective.dynamic_sampling_max_rounds",),

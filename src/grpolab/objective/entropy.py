@@ -78,6 +78,7 @@ def _declared(ctx) -> bool:
 
 ENTROPY = Option(
     name="entropy",
+    reads_every_row="entropy_coef",
     keys=EntropyKeys,
     loss=(Passed("entropy_coef", "entropy_coef", 0.0),),
     needs=needs,

@@ -157,6 +157,7 @@ def _declared(ctx) -> bool:
 
 GSPO = Option(
     name="gspo",
+    trl={"importance_sampling_level": "importance_sampling_level"},
     keys=GspoKeys,
     loss=(Passed("importance_sampling_level", "importance_sampling_level", "token", policy=True),),
     card=_card,

@@ -123,7 +123,7 @@ def _bias_correction_declared(ctx) -> bool:
     o = ctx.objective
     return (
         o.use_bias_correction_kl
-        and o.surrogate == "clip"
+        and o.policy_term == "clip"
         and ctx.takes("grpo_loss", "importance_sampling_level")
     )
 
@@ -131,6 +131,8 @@ def _bias_correction_declared(ctx) -> bool:
 TRL = profile_objective("trl", beta=0.04)
 KL = Option(
     name="kl",
+    trl={"use_bias_correction_kl": "use_bias_correction_kl"},
+    reads_every_row="beta",
     keys=KlKeys,
     loss=(
         Passed("kl_estimator", "kl_estimator", "k3", convention=True),

@@ -49,5 +49,21 @@ def _card(o) -> dict[str, str]:
     return {"advantage": f"{FORMULA}{o.mark('advantage_std', 'advantage_eps')} (estimator *)"}
 
 
-ESTIMATOR = Estimator(name="reinforce_pp", estimate=estimate, reference=reference)
-REINFORCE_PP = Option(name="reinforce_pp", card=_card)
+def advantage_inputs(o, rollout) -> dict[str, torch.Tensor]:
+    """The whitening's weights: each row's completion tokens, [B]."""
+    return {"lengths": rollout.completion_mask.sum(dim=1).float()}
+
+
+ESTIMATOR = Estimator(
+    name="reinforce_pp",
+    estimate=estimate,
+    reference=reference,
+    token_weighted=True,
+    batch_whitened=True,
+)
+REINFORCE_PP = Option(
+    name="reinforce_pp",
+    active=lambda o: o.advantage_estimator == "reinforce_pp",
+    card=_card,
+    advantage_inputs=advantage_inputs,
+)

@@ -62,7 +62,7 @@ def bounds(o) -> list[float]:
 
 
 def _card(o) -> dict[str, str]:
-    if o.surrogate != "sapo":
+    if o.policy_term != "sapo":
         return {}
     return {
         "clip": "SAPO: -sigmoid(tau * (ratio - 1)) * 4 / tau * A per token, tau = "
@@ -89,7 +89,7 @@ def sapo_gate(ctx):
 
 
 def _declared(o) -> bool:
-    return o.surrogate == "sapo"
+    return o.policy_term == "sapo"
 
 
 SURROGATE = Surrogate(
@@ -102,6 +102,7 @@ SURROGATE = Surrogate(
 )
 SAPO = Option(
     name="sapo",
+    trl={k: k for k in ("sapo_temperature_pos", "sapo_temperature_neg")},
     keys=SapoKeys,
     active=_declared,
     loss=(

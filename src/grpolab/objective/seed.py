@@ -55,7 +55,7 @@ def _card(o) -> dict[str, str]:
         rows["ratio"] = f"exp(logp_new - logp_old) per token at temperature {o.temperature:g}"
     if o.truncated_sampling:
         rows["sampled"] = _sampled_row(o)
-    if o.surrogate == "clip":
+    if o.policy_term == "clip":
         lo, hi = 1 - o.epsilon, 1 + o.epsilon_high
         rows["clip"] = (
             f"ratio in [1 - {o.epsilon:g}, 1 + {o.epsilon_high:g}] = [{lo:g}, {hi:g}]; per token "
@@ -110,6 +110,7 @@ INERT = (
 )  # fmt: skip
 SEED = Option(
     name="seed",
+    trl={k: k for k in ("epsilon", "epsilon_high", "beta", "num_iterations")},
     keys=SeedKeys,
     loss=(
         Passed("epsilon", "eps_low"),

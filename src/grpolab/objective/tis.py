@@ -85,6 +85,37 @@ def needs(o) -> tuple[Needs, ...]:
     return (Needs("grpo_loss", "token_weights", "tis_cap"), *mode)
 
 
+def token_weights(o, fns, micro) -> tuple[torch.Tensor, dict[str, float]]:
+    """The importance weights against the engine's log-probs ([b, T-1], the function table's
+    tis_weights) and their sums: weight, tokens, tokens (sequences) the cap truncated or
+    dropped, sequences."""
+    mask = micro.mask
+    weights = fns.tis_weights(micro.logp_old, micro.engine_logprobs, mask, o.tis_cap, **_mode(o))
+    hit = (weights >= o.tis_cap) if o.tis_mode.endswith("truncate") else (weights == 0)
+    return weights, {
+        "weight": float((weights * mask).sum()),
+        "tokens": float(mask.sum()),
+        "capped": float((hit * mask).sum()),
+        "capped_rows": float(((hit * mask).sum(1) > 0).sum()),
+        "rows": float((mask.sum(1) > 0).sum()),
+    }
+
+
+def metrics(o, sums: dict[str, float]) -> dict[str, float]:
+    """The weights' mean, the share of tokens and of sequences the cap truncated or dropped,
+    and under tis_mode *_mask the share dropped (all of them: the loss was exactly 0, which
+    the loop stops on)."""
+    tokens, rows = max(sums["tokens"], 1.0), max(sums["rows"], 1.0)
+    out = {
+        "tis/weight_mean": sums["weight"] / tokens,
+        "tis/capped_frac": sums["capped"] / tokens,
+        "tis/capped_seq_frac": sums["capped_rows"] / rows,
+    }
+    if o.tis_mode.endswith("mask"):
+        out["tis/dropped_frac"] = out["tis/capped_frac"]
+    return out
+
+
 def _card(o) -> dict[str, str]:
     if o.tis_cap is None:
         return {}
@@ -248,8 +279,18 @@ TIS = Option(
     name="tis",
     keys=TisKeys,
     rules=rules,
+    active=lambda o: o.tis_cap is not None,
     needs=needs,
     card=_card,
+    trl={
+        "vllm_importance_sampling_cap": "tis_cap",
+        "vllm_importance_sampling_clip_max": "tis_cap",
+        "vllm_importance_sampling_mode": "tis_mode",
+    },
+    functions={"tis_weights": tis_weights},
+    token_weights=token_weights,
+    metrics=metrics,
+    engine_logprobs=lambda o: "objective.tis_cap",
     inert=(
         Inert(
             ("objective.tis_cap",),

@@ -24,6 +24,13 @@ def truncation_mask(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor
     return mask * (~truncated.bool()).unsqueeze(1).to(mask.dtype)
 
 
+def loss_rows(o, fns, rollout) -> torch.Tensor:
+    """[B]: 0 for the completions that hit max_completion_length, 1 for the others (the
+    function table's truncation_mask, a user's where given)."""
+    kept = fns.truncation_mask(torch.ones(rollout.batch_size, 1), rollout.truncated)
+    return kept.view(-1)
+
+
 def _card(o) -> dict[str, str]:
     if not o.mask_truncated_completions:
         return {}
@@ -48,7 +55,11 @@ def truncation_check(ctx):
 TRUNCATION = Option(
     name="truncation",
     keys=TruncationKeys,
+    active=lambda o: o.mask_truncated_completions,
     card=_card,
+    trl={"mask_truncated_completions": "mask_truncated_completions"},
+    functions={"truncation_mask": truncation_mask},
+    loss_rows=loss_rows,
     checks=(
         Check(
             "truncation.mask",

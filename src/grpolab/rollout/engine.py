@@ -33,16 +33,16 @@ class RolloutEngine(abc.ABC):
         cls,
         model: torch.nn.Module,
         tokenizer,
-        cfg,
+        section,  # the config's rollout section (rollout.config.RolloutConfig)
         model_path: str | None = None,
         chat_template: bool = False,
         system_prompt: str | None = None,
         episodes: EpisodeSetup | None = None,
         precision: Precision = FP32,
     ) -> RolloutEngine:
-        """An engine sampling from `model`'s current weights under `cfg` (`model_path`: a
-        Hugging Face directory of the same architecture, for engines that load their own
-        copy)."""
+        """An engine sampling from `model`'s current weights under the rollout `section`
+        (`model_path`: a Hugging Face directory of the same architecture, for engines that
+        load their own copy)."""
 
     @abc.abstractmethod
     def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> Rollout:

@@ -152,7 +152,7 @@ class HFEngine(RolloutEngine):
         cls,
         model: torch.nn.Module,
         tokenizer,
-        cfg,
+        section,  # the config's rollout section (rollout.config.RolloutConfig)
         model_path: str | None = None,
         chat_template: bool = False,
         system_prompt: str | None = None,
@@ -165,11 +165,11 @@ class HFEngine(RolloutEngine):
             tokenizer,
             chat_template=chat_template,
             system_prompt=system_prompt,
-            shared_prefill=cfg.hf.shared_prefill,
+            shared_prefill=section.hf.shared_prefill,
             episodes=episodes,
             precision=precision,
-            sync_tolerance=cfg.sync_tolerance,
-            fast_decode=cfg.hf.fast_decode,
+            sync_tolerance=section.sync_tolerance,
+            fast_decode=section.hf.fast_decode,
         )
 
     def sync_weights(self, model: torch.nn.Module) -> None:

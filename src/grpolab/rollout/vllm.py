@@ -253,7 +253,7 @@ class VLLMEngine(RolloutEngine):
         cls,
         model: torch.nn.Module,
         tokenizer,
-        cfg,
+        section,  # the config's rollout section (rollout.config.RolloutConfig)
         model_path: str | None = None,
         chat_template: bool = False,
         system_prompt: str | None = None,
@@ -269,10 +269,10 @@ class VLLMEngine(RolloutEngine):
         kwargs = dict(
             dtype="bfloat16" if precision.bf16 else dtype,
             precision=precision,
-            max_model_len=cfg.vllm.max_model_len,
-            gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
-            enforce_eager=cfg.vllm.enforce_eager,
-            sync_tolerance=cfg.sync_tolerance,
+            max_model_len=section.vllm.max_model_len,
+            gpu_memory_utilization=section.vllm.gpu_memory_utilization,
+            enforce_eager=section.vllm.enforce_eager,
+            sync_tolerance=section.sync_tolerance,
             chat_template=chat_template,
             system_prompt=system_prompt,
         )

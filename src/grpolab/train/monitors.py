@@ -320,7 +320,7 @@ def write_capsule(path: Path, run: Run, batch: StepBatch, what: str | None) -> N
     update of the step went through), so an on-policy logp_old is recomputed from them."""
     logp_old = batch.logp_old
     if logp_old is None:
-        logp_old = logprobs_in_chunks(run, run.model, batch)
+        logp_old, _ = logprobs_in_chunks(run, run.model, batch)
     cpu = _on_cpu
     torch.save(
         {

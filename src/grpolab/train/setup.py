@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from grpolab import objective, seeds
-from grpolab.config import Config, objective_of, validate_world
+from grpolab.config import Config, objective_of, skips_zero_advantage, validate_world
 from grpolab.core import CoreFunctions, Objective
 from grpolab.functions import as_called, core_functions
 from grpolab.model import dist as dist_module
@@ -77,6 +77,37 @@ def old_logprobs_from_loss_forward(cfg: Config, plan: BatchPlan) -> bool:
     return plan.optimizer_steps == 1 and cfg.objective.logprob_source == "trainer"
 
 
+@dataclass(frozen=True)
+class StepSettings:
+    """What a step reads besides the objective (`Run.objective`, where G, the temperature and
+    every option live): built once from the config, so that the step never reads it."""
+
+    seed: int
+    prompts_per_step: int  # the global batch's prompts
+    replicated_rollout: bool  # every rank samples the global batch and keeps its slice
+    sampling: Callable[[int], Any]  # a seed -> the engine's sampling parameters
+    max_tokens_per_microbatch: int | None  # packed micro-batches of at most this many tokens
+    max_grad_norm: float  # 0: no clipping
+    # The loss forward's detached log-probs are logp_old (`old_logprobs_from_loss_forward`).
+    old_from_loss_forward: bool
+    skip_zero_advantage: bool  # the update skips rows without gradient (skips_zero_advantage)
+    fused_logprobs: bool  # grpolab's fused log-prob path (runtime.logprobs)
+
+    @classmethod
+    def of(cls, cfg: Config, plan: BatchPlan, distributed: bool = False) -> StepSettings:
+        return cls(
+            seed=cfg.seed,
+            prompts_per_step=cfg.batch.prompts_per_step,
+            replicated_rollout=distributed and cfg.parallel.rollout_split == "replicated",
+            sampling=cfg.rollout.sampling,
+            max_tokens_per_microbatch=cfg.batch.max_tokens_per_microbatch,
+            max_grad_norm=cfg.optim.max_grad_norm,
+            old_from_loss_forward=old_logprobs_from_loss_forward(cfg, plan),
+            skip_zero_advantage=skips_zero_advantage(cfg, distributed),
+            fused_logprobs=cfg.runtime.logprobs == "fused",
+        )
+
+
 # --- The run ----------------------------------------------------------------------------------
 
 
@@ -99,6 +130,7 @@ class Run:
     functions: CoreFunctions
     device: torch.device
     plan: BatchPlan
+    settings: StepSettings
     dist: Dist = field(default_factory=Dist)
     # ddp: DistributedDataParallel around dist.TrainForward(model); sums gradients over ranks
     ddp: torch.nn.parallel.DistributedDataParallel | None = None
@@ -292,6 +324,7 @@ def build_run(
         functions=functions,
         device=device,
         plan=plan,
+        settings=StepSettings.of(cfg, plan, d.on),
         dist=d,
         precision=resolve_precision(cfg.runtime.precision, device),
         ddp=ddp,

@@ -14,21 +14,23 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from grpolab import core, seeds
-from grpolab.config import skips_zero_advantage
 from grpolab.model import dist as dist_module
 from grpolab.model.packed import token_budget_parts
 from grpolab.model.precision import autocast
+from grpolab.objective import active_units
+from grpolab.objective.base import MicroTokens, StepTokens
 from grpolab.rewards import RewardResult, flat_verdicts, gather_scores, score
 from grpolab.rollout.base import Rollout
 from grpolab.tasks.base import Example
 from grpolab.train.evaluate import correct_answers, task_strict_correct
-from grpolab.train.setup import Run, old_logprobs_from_loss_forward
+from grpolab.train.setup import Run
 
 
 @dataclass
@@ -59,6 +61,8 @@ class StepBatch:
     normaliser_mask: torch.Tensor | None = None
     logp_old: torch.Tensor | None = None  # [B, T-1]; None: the loss forward's own (on-policy)
     logp_ref: torch.Tensor | None = None  # [B, T-1] when beta > 0
+    # [B, T-1] each: what the declared units fixed before the update (their before_update).
+    before: dict[str, torch.Tensor] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     sampling: dict[str, float] = field(default_factory=dict)  # dynamic sampling's counts
     nonfinite: str | None = None  # what went non-finite first in the update, if anything
@@ -117,18 +121,16 @@ class UpdateStats:
     engine_gap: float | None = None  # max |engine logp - trainer logp| before it
     engine_gap_sum: float = 0.0  # sum of |engine logp - trainer logp| over those tokens
     engine_gap_tokens: float = 0.0
-    tis_capped: float = 0.0  # tokens whose importance weight hit the cap
-    tis_weight: float = 0.0  # sum of the importance weights
-    tis_tokens: float = 0.0
-    tis_capped_rows: float = 0.0  # sequences with a weight that hit the cap
-    tis_rows: float = 0.0  # sequences in the loss
+    # unit name -> its token_weights' sums over the step (importance weights, kept tokens)
+    unit_sums: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], StepBatch]:
     """One GRPO step; returns (metrics, the step's batch)."""
     batch = collect(run, step)
     tic = time.perf_counter()
-    batch.logp_old, batch.logp_ref = logprobs_before_update(run, batch)
+    batch.logp_old, batch.logp_ref, entropy = logprobs_before_update(run, batch)
+    batch.before = units_before_update(run, batch, entropy)
     batch.timings["time/logprobs"] = time.perf_counter() - tic
     tic = time.perf_counter()
     stats = update(run, batch)
@@ -143,21 +145,24 @@ def grpo_step(run: Run, step: int) -> tuple[dict[str, Any], StepBatch]:
 
 def collect(run: Run, step: int) -> StepBatch:
     """Prompts -> G samples each (eval mode, no grad, a per-step seed: a resumed run samples
-    the same) -> rewards -> advantages over the global batch. Under dynamic sampling, more
-    rounds of prompts until the batch holds prompts_per_step informative groups."""
-    cfg, d, o = run.cfg, run.dist, run.objective
-    G = cfg.batch.num_generations
+    the same) -> rewards -> advantages over the global batch. A unit that keeps only some
+    groups (dynamic sampling) samples more rounds of prompts until the batch is full; a unit
+    may take rows out of the loss (truncation masking) or add inputs of the advantages."""
+    d, o = run.dist, run.objective
+    G, units = o.num_generations, active_units(o)
     timings: dict[str, float] = {}
     run.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: not held meanwhile
     examples, rollout, scores = sample_and_score(run, step, 0, timings)
     loss_rows, counts = None, {}
-    if o.dynamic_sampling:
-        examples, rollout, scores, loss_rows, counts = keep_informative(
-            run, step, (examples, rollout, scores), timings
-        )
-    if o.mask_truncated_completions:
-        kept = run.functions.truncation_mask(torch.ones(rollout.batch_size, 1), rollout.truncated)
-        loss_rows = kept.view(-1) if loss_rows is None else loss_rows * kept.view(-1)
+    for unit in units:
+        if unit.keep_groups:
+            examples, rollout, scores, loss_rows, counts = keep_groups(
+                run, step, unit, (examples, rollout, scores), timings
+            )
+    for unit in units:
+        if unit.loss_rows:
+            kept = unit.loss_rows(o, run.functions, rollout)  # [B]
+            loss_rows = kept if loss_rows is None else loss_rows * kept
 
     tic = time.perf_counter()
     correct = strict = None  # a task without references: the rewards alone judge
@@ -170,9 +175,10 @@ def collect(run: Run, step: int) -> StepBatch:
     # Advantages over the global batch ("batch" scaling needs every rank's rewards).
     all_rewards = dist_module.all_gather_cat(scores.total, d)  # [B_global]
     kwargs = dict(o.advantage_kwargs())  # run.functions drop what a user's does not take
-    if o.advantage_estimator == "reinforce_pp":  # whitened over the batch's tokens
-        lengths = rollout.completion_mask.sum(dim=1).float()
-        kwargs["lengths"] = dist_module.all_gather_cat(lengths, d)
+    for unit in units:
+        if unit.advantage_inputs:  # per-row inputs (reinforce_pp's token counts)
+            for name, values in unit.advantage_inputs(o, rollout).items():
+                kwargs[name] = dist_module.all_gather_cat(values, d)  # [B_global]
     # Rows that vote in their group's statistics: scored by some function and in the loss
     # (truncation masking, dynamic sampling's fill); the others get advantage 0.
     valid = scores.scorable.float() if loss_rows is None else scores.scorable * loss_rows
@@ -201,7 +207,7 @@ def collect(run: Run, step: int) -> StepBatch:
         loss_rows=None if loss_rows is None else loss_rows.to(dev),
         skip_rows=(
             core.rows_without_gradient(advantages, loss_rows).to(dev)
-            if skips_zero_advantage(run.cfg, d.on)
+            if run.settings.skip_zero_advantage
             else None
         ),
         normaliser_mask=episode_normaliser_mask(run, rollout),
@@ -224,24 +230,25 @@ def sample_and_score(
 ) -> tuple[list[Example], Rollout, RewardResult]:
     """One round of prompts_per_step prompts, sampled and scored (round 0: the step's own
     seed; later rounds of dynamic sampling draw further prompts with seeds of their own)."""
-    cfg, d = run.cfg, run.dist
-    G = cfg.batch.num_generations
+    s, d, G = run.settings, run.dist, run.objective.num_generations
     tic = time.perf_counter()
     # Every rank draws the same global prompts and keeps its slice of whole groups.
-    drawn = run.task.sample(cfg.batch.prompts_per_step, run.prompt_generator)
+    drawn = run.task.sample(s.prompts_per_step, run.prompt_generator)
     examples = drawn[dist_module.rank_slice(len(drawn), d)]
-    if d.on and cfg.parallel.rollout_split == "replicated":
-        params = cfg.rollout.sampling(seeds.rollout_seed(cfg.seed, step, round_=round_))
+    if s.replicated_rollout:
+        params = s.sampling(seeds.rollout_seed(s.seed, step, round_=round_))
         rollout = run.engine.generate([e.prompt for e in drawn], G, params)
         rollout = rollout.rows(dist_module.rank_slice(rollout.batch_size, d))
     else:
-        params = cfg.rollout.sampling(seeds.rollout_seed(cfg.seed, step, d.rank, round_))
+        params = s.sampling(seeds.rollout_seed(s.seed, step, d.rank, round_))
         rollout = run.engine.generate([e.prompt for e in examples], G, params)
-    if cfg.objective.tis_cap is not None and rollout.engine_logprobs is None:
-        raise ValueError(
-            "objective.tis_cap needs the engine's log-probs; this engine returned none (vLLM "
-            "with top_k / top_p)"
-        )
+    if rollout.engine_logprobs is None:
+        for unit in active_units(run.objective):
+            if unit.engine_logprobs(run.objective):
+                raise ValueError(
+                    f"{unit.engine_logprobs(run.objective)} needs the engine's log-probs; this "
+                    "engine returned none (vLLM with top_k / top_p)"
+                )
     timings["time/rollout"] = timings.get("time/rollout", 0.0) + time.perf_counter() - tic
     tic = time.perf_counter()
     scores = score(rollout, examples, run.rewards)
@@ -249,13 +256,14 @@ def sample_and_score(
     return examples, rollout, scores
 
 
-def keep_informative(run: Run, step: int, first, timings: dict[str, float]):
-    """DAPO's dynamic sampling: keep the groups whose rewards vary (`informative_groups`),
-    sampling further rounds until prompts_per_step are kept or the extra rounds run out;
+def keep_groups(run: Run, step: int, unit, first, timings: dict[str, float]):
+    """Keep the groups `unit` keeps (DAPO's dynamic sampling: those whose rewards vary),
+    sampling further rounds until prompts_per_step are kept or its extra rounds run out;
     then the dropped groups fill what is missing, with loss_rows 0 (out of the loss and its
-    normaliser). Returns (examples, rollout, scores, loss_rows [B], counts for the metrics)."""
-    cfg, o = run.cfg, run.objective
-    G, need = cfg.batch.num_generations, cfg.batch.prompts_per_step
+    normaliser). Returns (examples, rollout, scores, loss_rows [B], counts for the metrics,
+    named by the unit's metric prefix)."""
+    o = run.objective
+    G, need = o.num_generations, run.settings.prompts_per_step
     # A group: (its example, its rollout rows, (its round's scores, its rows there)).
     kept: list[tuple[Example, Rollout, tuple[RewardResult, slice]]] = []
     dropped: list[tuple[Example, Rollout, tuple[RewardResult, slice]]] = []
@@ -263,24 +271,25 @@ def keep_informative(run: Run, step: int, first, timings: dict[str, float]):
     while rounds:
         examples, rollout, scores = rounds.pop()
         scored.append(scores)
-        keep = run.functions.informative_groups(scores.total, G, o.advantage_eps)
+        keep = unit.keep_groups(o, run.functions, scores.total, G)  # [groups] bool
         for g, example in enumerate(examples):
             rows = slice(g * G, (g + 1) * G)
             group = (example, rollout.rows(rows), (scores, rows))
             (kept if bool(keep[g]) else dropped).append(group)
         generated += len(examples)
         extra_round = generated // need
-        if len(kept) < need and extra_round <= o.dynamic_sampling_max_rounds:
+        if len(kept) < need and extra_round <= unit.extra_rounds(o):
             rounds.append(sample_and_score(run, step, extra_round, timings))
     chosen = kept[:need] + dropped[: max(0, need - len(kept))]
     examples = [e for e, _, _ in chosen]
     rollout = cat_rollouts([r for _, r, _ in chosen])
     n_kept = min(len(kept), need)
     loss_rows = torch.tensor([1.0] * n_kept * G + [0.0] * (need - n_kept) * G)
+    prefix = unit.metric_prefix or unit.name
     counts = {
-        "dynamic/groups_generated": float(generated),
-        "dynamic/groups_kept": float(n_kept),
-        "dynamic/groups_filled": float(need - n_kept),
+        f"{prefix}/groups_generated": float(generated),
+        f"{prefix}/groups_kept": float(n_kept),
+        f"{prefix}/groups_filled": float(need - n_kept),
     }
     # Each sample keeps the scores its group was kept for: scored again, a stochastic
     # reward (a judge, a sampled verifier) could make a kept group flat in the loss.
@@ -324,51 +333,80 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
 
 def logprobs_before_update(
     run: Run, batch: StepBatch
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(logp_old, logp_ref), each [B, T-1] or None. logp_old: the engine's, or an extra
-    forward of the training model before any update, or None when the loss forward's own
-    detached log-probs are it (one optimizer step per batch). logp_ref: when beta > 0."""
-    cfg = run.cfg
-    logp_old = None
-    if cfg.objective.logprob_source == "engine":
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(logp_old, logp_ref, entropy), each [B, T-1] or None. logp_old: the engine's, or an
+    extra forward of the training model before any update, or None when the loss forward's
+    own detached log-probs are it (one optimizer step per batch). logp_ref: when beta > 0.
+    entropy: the policy's, when a declared unit reads it before the update (from logp_old's
+    forward, or a forward of its own)."""
+    o = run.objective
+    wants_entropy = any(u.reads_entropy for u in active_units(o))
+    logp_old = entropy = None
+    if o.logprob_source == "engine":
         if batch.engine_logprobs is None:
             raise ValueError("objective.logprob_source=engine but the engine returned no log-probs")
         logp_old = batch.engine_logprobs
-    elif not old_logprobs_from_loss_forward(cfg, run.plan):
+    if (logp_old is None and not run.settings.old_from_loss_forward) or wants_entropy:
         with autocast(run.precision, run.device):  # the loss forward's precision
-            logp_old = logprobs_in_chunks(run, run.model, batch)
+            logp, entropy = logprobs_in_chunks(run, run.model, batch, wants_entropy)
+        logp_old = logp if logp_old is None and not run.settings.old_from_loss_forward else logp_old
     logp_ref = None
-    if cfg.objective.beta > 0:
+    if o.beta > 0:
         with autocast(run.precision, run.device):
             logp_ref = reference_logprobs(run, batch)
-    return logp_old, logp_ref
+    return logp_old, logp_ref, entropy
 
 
 @torch.no_grad()
-def logprobs_in_chunks(run: Run, model: torch.nn.Module, batch: StepBatch) -> torch.Tensor:
-    """Log-probs of the whole batch under `model`, micro-batch by micro-batch, no grad:
-    [B, T-1]."""
-    out, packed = [], run.cfg.batch.max_tokens_per_microbatch is not None
+def logprobs_in_chunks(
+    run: Run, model: torch.nn.Module, batch: StepBatch, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the whole batch under `model` (and with `entropy`, its entropy),
+    micro-batch by micro-batch, no grad: ([B, T-1], [B, T-1] or None)."""
+    packed = run.settings.max_tokens_per_microbatch is not None
+    logps, entropies = [], []
     for rows, _ in micro_batches(run, batch, torch.arange(batch.rows)):  # in order
-        logp, _ = run.functions.sequence_logprobs(
+        logp, _, *rest = run.functions.sequence_logprobs(
             model,
             batch.input_ids[rows],
             batch.attention_mask[rows],
             batch.completion_mask[rows],
-            run.cfg.rollout.temperature,
+            run.objective.temperature,
             **({"packed": True} if packed else {}),
+            **({"return_entropy": True} if entropy else {}),
         )
-        out.append(logp)
-    return torch.cat(out)
+        logps.append(logp)
+        entropies += rest
+    return torch.cat(logps), torch.cat(entropies) if entropy else None
+
+
+def units_before_update(run: Run, batch: StepBatch, entropy) -> dict[str, torch.Tensor]:
+    """The declared units' tensors fixed before the update ([B, T-1] each), over the loss's
+    tokens of the global batch."""
+    o, d = run.objective, run.dist
+    units = [u for u in active_units(o) if u.before_update]
+    if not units:
+        return {}
+    mask = loss_mask(batch)
+    tokens = StepTokens(mask, entropy, lambda values: dist_module.all_gather_varying(values, d))
+    return {k: v for u in units for k, v in u.before_update(o, run.functions, tokens).items()}
+
+
+def loss_mask(batch: StepBatch, rows=slice(None)) -> torch.Tensor:
+    """[b, T-1]: the completion tokens of `rows` in the loss (rows out of it zeroed)."""
+    mask = batch.completion_mask[rows, 1:].float()
+    if batch.loss_rows is not None:
+        mask = mask * batch.loss_rows[rows, None]
+    return mask
 
 
 def reference_logprobs(run: Run, batch: StepBatch) -> torch.Tensor:
     """Log-probs under the reference policy: the frozen copy, or under LoRA the same model with
     its adapters disabled (the base weights never change): [B, T-1]."""
     if run.ref_model is not None:
-        return logprobs_in_chunks(run, run.ref_model, batch)
+        return logprobs_in_chunks(run, run.ref_model, batch)[0]
     with run.model.disable_adapter():
-        return logprobs_in_chunks(run, run.model, batch)
+        return logprobs_in_chunks(run, run.model, batch)[0]
 
 
 # --- Update ------------------------------------------------------------------------------------
@@ -377,10 +415,10 @@ def reference_logprobs(run: Run, batch: StepBatch) -> torch.Tensor:
 def update(run: Run, batch: StepBatch) -> UpdateStats:
     """num_iterations inner epochs; each a shuffled pass over the minibatches (one optimizer
     step each). The shuffle's seed depends on the step, so a resumed run shuffles the same."""
-    cfg, plan, stats = run.cfg, run.plan, UpdateStats()
+    plan, stats = run.plan, UpdateStats()
     run.model.train()
-    order_generator = seeds.minibatch_order(cfg.seed, batch.step, run.dist.rank)
-    for epoch in range(cfg.objective.num_iterations):
+    order_generator = seeds.minibatch_order(run.settings.seed, batch.step, run.dist.rank)
+    for epoch in range(run.objective.num_iterations):
         if plan.minibatch < batch.rows:
             order = torch.randperm(batch.rows, generator=order_generator)
         else:
@@ -397,7 +435,7 @@ def optimizer_step(
     """Accumulate the gradient of the minibatch `rows` over micro-batches, then clip and apply
     it, unless a loss, log-prob or gradient value is non-finite (then nothing reaches the
     weights or the optimizer moments, and the step counts as skipped)."""
-    cfg, d = run.cfg, run.dist
+    d, max_norm = run.dist, run.settings.max_grad_norm
     params = [p for p in run.model.parameters() if p.requires_grad]
     counted = batch.completion_mask if batch.normaliser_mask is None else batch.normaliser_mask
     minibatch_mask = counted[rows, 1:]  # [mini, T-1]
@@ -426,8 +464,8 @@ def optimizer_step(
     nonfinite = nonfinite or first_nonfinite({"gradient": norm})
     if dist_module.any_rank(nonfinite is not None, d):
         nonfinite = nonfinite or "a non-finite value on another rank"
-    if nonfinite is None and cfg.optim.max_grad_norm > 0:
-        dist_module.clip_gradients(params, norm, cfg.optim.max_grad_norm, d)
+    if nonfinite is None and max_norm > 0:
+        dist_module.clip_gradients(params, norm, max_norm, d)
     if nonfinite is not None:
         run.optimizer.zero_grad(set_to_none=True)
         stats.skipped += 1
@@ -447,7 +485,7 @@ def micro_batches(
     consecutive rows packing into at most that many positions. With `stats`, the rows
     without gradient are dropped (their share is exactly 0) and counted; a cut left empty
     is not run."""
-    budget, micro = run.cfg.batch.max_tokens_per_microbatch, run.plan.micro
+    budget, micro = run.settings.max_tokens_per_microbatch, run.plan.micro
     skip = batch.skip_rows if stats is not None else None
     # Ascending rows keep a group's samples adjacent (one prompt forward each).
     cuts = [rows[s : s + micro].sort().values for s in range(0, len(rows), micro)]
@@ -481,15 +519,15 @@ def micro_step(
 ) -> tuple[torch.Tensor, str | None]:
     """The loss of micro-batch `rows` scaled to its share of the minibatch's loss, and the
     first non-finite input or loss value (None when all are finite). Records its metrics."""
-    cfg, fns, o = run.cfg, run.functions, run.objective
+    fns, o = run.functions, run.objective
     with autocast(run.precision, run.device):  # the forward only; backward outside
         logp, mask, *entropy = run.train_forward(  # ddp: through DDP's forward
             batch.input_ids[rows],
             batch.attention_mask[rows],
             batch.completion_mask[rows],
-            cfg.rollout.temperature,
+            o.temperature,
             return_entropy=True,  # dropped for a user's function without it (as_called)
-            packed=cfg.batch.max_tokens_per_microbatch is not None,  # the same, to rounding
+            packed=run.settings.max_tokens_per_microbatch is not None,  # the same, to rounding
         )  # [b, T-1], float32 whatever the matmul precision
     if batch.loss_rows is not None:
         mask = mask * batch.loss_rows[rows, None]
@@ -505,8 +543,9 @@ def micro_step(
             stats.engine_gap_sum += float(gap.sum())
             stats.engine_gap_tokens += float(mask.bool().sum())
     kwargs = dict(o.loss_kwargs())
-    if cfg.objective.tis_cap is not None:
-        kwargs["token_weights"] = engine_weights(run, old, engine, mask, stats)
+    weights = unit_token_weights(run, batch, rows, logp, old, engine, mask, stats)
+    if weights is not None:
+        kwargs["token_weights"] = weights
     if entropy:
         kwargs["entropy"] = entropy[0]
     loss, loss_metrics = fns.grpo_loss(logp, old, ref, batch.advantages[rows], mask, **kwargs)
@@ -522,19 +561,23 @@ def micro_step(
     return loss * scale, problem
 
 
-def engine_weights(run: Run, old, engine, mask, stats: UpdateStats) -> torch.Tensor:
-    """The importance weights against the engine's log-probs (tis_mode), [b, T-1], and their
-    statistics: the mean weight and the share of tokens capped (truncate) or dropped (mask)."""
-    o = run.objective
-    mode = {} if o.tis_mode == "token_truncate" else {"mode": o.tis_mode}
-    weights = run.functions.tis_weights(old, engine, mask, o.tis_cap, **mode)
-    hit = (weights >= o.tis_cap) if o.tis_mode.endswith("truncate") else (weights == 0)
-    stats.tis_capped += float((hit * mask).sum())
-    stats.tis_weight += float((weights * mask).sum())
-    stats.tis_tokens += float(mask.sum())
-    stats.tis_capped_rows += float(((hit * mask).sum(1) > 0).sum())
-    stats.tis_rows += float((mask.sum(1) > 0).sum())
-    return weights
+def unit_token_weights(
+    run: Run, batch: StepBatch, rows, logp, old, engine, mask, stats: UpdateStats
+) -> torch.Tensor | None:
+    """The product of the declared units' token weights for micro-batch `rows` ([b, T-1]:
+    the importance weights against the engine, the top-entropy tokens), their sums added to
+    the step's; None when no declared unit weighs tokens."""
+    o, product = run.objective, None
+    before = {name: values[rows] for name, values in batch.before.items()}
+    micro = MicroTokens(logp.detach(), old, engine, mask, before)
+    for unit in active_units(o):
+        if unit.token_weights:
+            weights, sums = unit.token_weights(o, run.functions, micro)  # [b, T-1]
+            product = weights if product is None else product * weights
+            unit_sums = stats.unit_sums.setdefault(unit.name, {})
+            for name, value in sums.items():
+                unit_sums[name] = unit_sums.get(name, 0.0) + value
+    return product
 
 
 def first_nonfinite(
@@ -577,20 +620,15 @@ def skip_metrics(batch: StepBatch, stats: UpdateStats) -> dict[str, float]:
     }
 
 
-def tis_metrics(o, stats: UpdateStats, d) -> dict[str, float]:
-    """The importance weights over all ranks: their mean, the share of tokens and of sequences
-    the cap truncated or dropped, and under tis_mode *_mask the share dropped (all of them:
-    the loss was exactly 0, which the loop stops on)."""
-    tokens = max(dist_module.all_sum(stats.tis_tokens, d), 1.0)
-    rows = max(dist_module.all_sum(stats.tis_rows, d), 1.0)
-    capped = dist_module.all_sum(stats.tis_capped, d) / tokens
-    metrics = {
-        "tis/weight_mean": dist_module.all_sum(stats.tis_weight, d) / tokens,
-        "tis/capped_frac": capped,
-        "tis/capped_seq_frac": dist_module.all_sum(stats.tis_capped_rows, d) / rows,
-    }
-    if o.tis_mode.endswith("mask"):
-        metrics["tis/dropped_frac"] = capped
+def unit_metrics(run: Run, stats: UpdateStats) -> dict[str, float]:
+    """The declared units' metrics, from their sums over every rank (each rank's sums summed,
+    so a ratio of two of them is the global batch's)."""
+    o, metrics = run.objective, {}
+    for unit in active_units(o):
+        if unit.metrics:
+            sums = stats.unit_sums.get(unit.name, {})
+            summed = {k: dist_module.all_sum(sums[k], run.dist) for k in sorted(sums)}
+            metrics |= unit.metrics(o, defaultdict(float, summed))  # no micro-batch run: 0s
     return metrics
 
 
@@ -626,8 +664,7 @@ def step_metrics(run: Run, batch: StepBatch, stats: UpdateStats) -> dict[str, An
         metrics["monitor/engine_gap_mean"] = stats.engine_gap_sum / max(
             stats.engine_gap_tokens, 1.0
         )
-    if run.objective.tis_cap is not None:
-        metrics |= tis_metrics(run.objective, stats, d)
+    metrics |= unit_metrics(run, stats)
     metrics |= batch.sampling
     metrics |= batch.timings
     metrics["time/step"] = sum(batch.timings.values())
