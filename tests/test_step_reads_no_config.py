@@ -34,11 +34,20 @@ STEP_PATH = [
 ]  # fmt: skip
 
 
-def config_reads(path: Path) -> list[str]:
-    """Where the module names the whole config: a name or attribute `cfg`, or an import of
-    `Config` (line: what)."""
+# The training loop's inner parts, each step's (`Session.loop`: LoopSettings); the loop's
+# start and finish set the run up from the config.
+LOOP_INNER = ("steps", "watch", "count_reward_failures", "record", "stop_if_unhealthy", "save",
+              "held_out_accuracy")  # fmt: skip
+
+
+def config_reads(path: Path, functions: tuple[str, ...] = ()) -> list[str]:
+    """Where the module (or only its `functions`, when named) names the whole config: a name
+    or attribute `cfg`, or an import of `Config` (line: what)."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    roots = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in functions]
+    assert len(roots) == len(functions), "a named function is missing"
+    for node in (n for root in (roots or [tree]) for n in ast.walk(root)):
         if isinstance(node, ast.Name) and node.id == "cfg":
             found.append(f"{node.lineno}: cfg")
         elif isinstance(node, ast.arg) and node.arg == "cfg":
@@ -53,6 +62,10 @@ def config_reads(path: Path) -> list[str]:
 def test_no_module_of_the_step_path_reads_the_config():
     reads = {name: config_reads(SRC / name) for name in STEP_PATH}
     assert {name: lines for name, lines in reads.items() if lines} == {}
+
+
+def test_the_loops_inner_parts_read_no_config():
+    assert config_reads(SRC / "train" / "loop.py", LOOP_INNER) == []
 
 
 def test_the_scan_finds_each_kind_of_config_read(tmp_path):

@@ -27,6 +27,7 @@ from grpolab.objective import (
     LOSS_TYPES,
     PROFILE_SOURCES,
     PROFILES,
+    SURROGATE_OPTIONS,
     SURROGATES,
     UNIT_FUNCTIONS,
     Objective,
@@ -594,7 +595,7 @@ def _check_policy_options(eps_low, eps_high, level: str, loss: str, delta, dual_
 
 
 def _check_surrogate_options(loss: str, options: dict) -> None:
-    allowed = SURROGATES[loss].options if loss in SURROGATES else ()
+    allowed = SURROGATE_OPTIONS.get(loss, ())
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(f"loss={loss!r} takes no options {unknown}; its own: {list(allowed)}")

@@ -9,9 +9,10 @@ built from every unit's keys, the objective card, the keywords a user's function
 and the variants `loss_type` and `advantage_estimator` name.
 
 To add an option: a module declaring its `Option` (its keys, rules, card row, checks, TRL
-names, and the data-flow hooks and step functions it needs), listed in UNITS below
-(entropy_quantile.py is the example of a data-flow option); a surrogate also declares its
-`Surrogate`, listed in SURROGATES (sapo.py), an estimator its `Estimator` in ESTIMATORS."""
+names, and the data-flow hooks and step functions it needs), listed in OPTIONS below
+(entropy_quantile.py is the example of a data-flow option); a surrogate's unit also brings its
+`Surrogate` (sapo.py), an estimator's its `Estimator` (rloo.py): SURROGATES and ESTIMATORS
+are read from the units."""
 
 from __future__ import annotations
 
@@ -43,9 +44,33 @@ from grpolab.objective.profiles import PROFILE, PROFILE_SOURCES, PROFILES, diffe
 from grpolab.objective.seed import SEED
 from grpolab.schema import SchemaError, check_fields, choices_of, key
 
+# Every option's unit after the seed, the profiles and the choices below, in the order of the
+# card's fragments and of their checks: add an option here.
+OPTIONS: tuple[Option, ...] = (
+    gspo.GSPO,
+    log_ratio_clamp.LOG_RATIO_CLAMP,
+    cispo.CISPO,
+    sapo.SAPO,
+    delta.DELTA,
+    dual_clip.DUAL_CLIP,
+    kl.KL,
+    tis.TIS,
+    dynamic_sampling.DYNAMIC_SAMPLING,
+    truncation.TRUNCATION,
+    entropy.ENTROPY,
+    entropy_quantile.ENTROPY_QUANTILE,
+    rloo.RLOO,
+    reinforce_pp.REINFORCE_PP,
+)
+
 # The variants a name picks (the seed's clip and GRPO advantages are core's own).
-SURROGATES: dict[str, Surrogate] = {s.name: s for s in (cispo.SURROGATE, sapo.SURROGATE)}
-ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (rloo.ESTIMATOR, reinforce_pp.ESTIMATOR)}
+_SURROGATE_UNITS = [u for u in OPTIONS if u.policy_term]
+SURROGATES: dict[str, Surrogate] = {u.policy_term.name: u.policy_term for u in _SURROGATE_UNITS}
+ESTIMATORS: dict[str, Estimator] = {u.estimator.name: u.estimator for u in OPTIONS if u.estimator}
+# The policy_loss keywords each surrogate reads besides eps_low / eps_high: its unit's keys.
+SURROGATE_OPTIONS: dict[str, tuple[str, ...]] = {
+    u.policy_term.name: tuple(p.keyword for p in u.loss if p.policy) for u in _SURROGATE_UNITS
+}
 
 AGGREGATIONS = ("sequence", "token", "constant")
 # TRL's loss_type names for the normalisers; a surrogate's name also names the normaliser
@@ -108,31 +133,13 @@ CHOICES = Option(
     name="choices",
     keys=ChoiceKeys,
     rules=_choice_rules,
-    loss=(Passed("surrogate", "surrogate", None),),
+    loss=(Passed("surrogate", unless=None),),
     card=_aggregation_card,
     trl={"loss_type": "loss_type"},
 )
 
 # Every unit, in the order of the card's fragments and of their checks.
-UNITS: tuple[Option, ...] = (
-    SEED,
-    PROFILE,
-    CHOICES,
-    gspo.GSPO,
-    log_ratio_clamp.LOG_RATIO_CLAMP,
-    cispo.CISPO,
-    sapo.SAPO,
-    delta.DELTA,
-    dual_clip.DUAL_CLIP,
-    kl.KL,
-    tis.TIS,
-    dynamic_sampling.DYNAMIC_SAMPLING,
-    truncation.TRUNCATION,
-    entropy.ENTROPY,
-    entropy_quantile.ENTROPY_QUANTILE,
-    rloo.RLOO,
-    reinforce_pp.REINFORCE_PP,
-)
+UNITS: tuple[Option, ...] = (SEED, PROFILE, CHOICES, *OPTIONS)
 # The objective card's rows, in order (a row no unit writes is left out).
 CARD_ROWS = ("groups", "advantage", "zero std", "ratio", "logp_old", "sampled", "clip", "KL",
              "aggregation", "inner epochs", "engine", "entropy", "truncated",
@@ -398,6 +405,7 @@ __all__ = [
     "PROFILE_YIELDS",
     "SURROGATES",
     "SURROGATE_NAMES",
+    "SURROGATE_OPTIONS",
     "TRL_NAMES",
     "UNITS",
     "UNIT_FUNCTIONS",

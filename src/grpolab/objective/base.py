@@ -7,6 +7,7 @@ line, its float64 reference and its checks; `grpolab.objective` assembles them."
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,13 +26,18 @@ class Passed:
     `unless` (the function's own default), so that a function written for the seed's
     signature takes the seed's objective unchanged. `convention`: a user's function may leave
     the keyword out and compute one fixed convention, which the preflight then checks against
-    the declared one. `policy`: core.policy_loss takes it too (not only grpo_loss)."""
+    the declared one. `policy`: core.policy_loss takes it too (not only grpo_loss).
+    `keyword` "" is the key's own name."""
 
     key: str
-    keyword: str
+    keyword: str = ""
     unless: Any = ALWAYS
     convention: bool = False
     policy: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.keyword:
+            object.__setattr__(self, "keyword", self.key)
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,9 @@ class Option:
     inert: where its keys have no effect (grpolab.schema.Inert, on the whole config: the
         config refuses them there).
     trl: {TRL GRPOConfig name: its key here} for the names that mean the same.
+    policy_term / estimator: the surrogate (`Surrogate`) or advantage estimator (`Estimator`)
+        it brings. A surrogate's keys are its own: passed to policy_loss as themselves and
+        without effect under another surrogate, both derived here from `keys`.
     functions: {name: function} the step calls for this unit, which a user's file may replace
         by defining a function of that name (the preflight then checks it).
 
@@ -179,6 +188,8 @@ class Option:
     # Keywords a step passes (not objective keys) that a user's function may leave out.
     convention_keywords: tuple[str, ...] = ()
     trl: Mapping[str, str] = field(default_factory=dict)
+    policy_term: Surrogate | None = None
+    estimator: Estimator | None = None
     functions: Mapping[str, Callable] = field(default_factory=dict)
     keep_groups: Callable[..., torch.Tensor] | None = None
     extra_rounds: Callable[[Any], int] = no_rounds
@@ -192,6 +203,22 @@ class Option:
     reads_every_row: str | None = None
     engine_logprobs: Callable[[Any], str | None] = lambda o: None
 
+    def __post_init__(self) -> None:
+        if self.policy_term is None or self.keys is None:
+            return
+        own = [f.name for f in dataclasses.fields(self.keys)]
+        name = self.policy_term.name
+        if not self.loss:
+            object.__setattr__(self, "loss", tuple(Passed(k, policy=True) for k in own))
+        not_declared = Inert(
+            tuple(f"objective.{k}" for k in own),
+            ("objective.loss_type", "objective.surrogate"),
+            lambda c: c.objective.policy_term != name,
+            "with objective.loss_type={c.objective.loss_type}, objective.surrogate="
+            f"{{c.objective.surrogate}}: it is the {name} surrogate's own key",
+        )
+        object.__setattr__(self, "inert", (not_declared, *self.inert))
+
 
 @dataclass(frozen=True)
 class Surrogate:
@@ -204,14 +231,14 @@ class Surrogate:
     reference(ratio, adv, logp_new, valid, o) -> (per_token, active): the float64 reference
         of the same term (differentiable in logp_new) and the tokens its bound acts on.
     bounds(o): the ratios at which it changes branch (probes keep off them).
-    options: the policy_loss keywords it reads besides eps_low / eps_high."""
+    Its options (the policy_loss keywords it reads besides eps_low / eps_high) are its unit's
+    keys (`Option.policy_term`)."""
 
     name: str
     aggregation: str  # the normaliser its loss_type names, as TRL normalises it
     per_token: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     reference: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     bounds: Callable[[Any], list[float]]
-    options: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

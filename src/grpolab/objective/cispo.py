@@ -69,14 +69,15 @@ SURROGATE = Surrogate(
 )
 CISPO = Option(
     name="cispo",
+    policy_term=SURROGATE,
     rules=rules,
     card=_card,
     inert=(
         Inert(
             ("objective.epsilon",),
-            ("objective.loss_type",),
-            lambda c: c.objective.loss_type == "cispo",
-            "with objective.loss_type=cispo: CISPO caps the ratio at epsilon_high alone",
+            ("objective.loss_type", "objective.surrogate"),
+            lambda c: c.objective.policy_term == "cispo",
+            "with the cispo surrogate: CISPO caps the ratio at epsilon_high alone",
         ),
     ),
     checks=(

@@ -30,7 +30,7 @@ DELTA = Option(
     trl={"delta": "delta"},
     keys=DeltaKeys,
     rules=BOUND.rules,
-    loss=(Passed("delta", "delta", None, policy=True),),
+    loss=(Passed("delta", unless=None, policy=True),),
     card=_card,
     inert=(BOUND.inert,),
     checks=(

@@ -28,7 +28,7 @@ DUAL_CLIP = Option(
     name="dual_clip",
     keys=DualClipKeys,
     rules=BOUND.rules,
-    loss=(Passed("dual_clip", "dual_clip", None, convention=True, policy=True),),
+    loss=(Passed("dual_clip", unless=None, convention=True, policy=True),),
     card=_card,
     inert=(BOUND.inert,),
     checks=(

@@ -80,7 +80,7 @@ ENTROPY = Option(
     name="entropy",
     reads_every_row="entropy_coef",
     keys=EntropyKeys,
-    loss=(Passed("entropy_coef", "entropy_coef", 0.0),),
+    loss=(Passed("entropy_coef", unless=0.0),),
     needs=needs,
     card=_card,
     checks=(

@@ -159,7 +159,7 @@ GSPO = Option(
     name="gspo",
     trl={"importance_sampling_level": "importance_sampling_level"},
     keys=GspoKeys,
-    loss=(Passed("importance_sampling_level", "importance_sampling_level", "token", policy=True),),
+    loss=(Passed("importance_sampling_level", unless="token", policy=True),),
     card=_card,
     checks=(
         Check(

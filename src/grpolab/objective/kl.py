@@ -135,9 +135,9 @@ KL = Option(
     reads_every_row="beta",
     keys=KlKeys,
     loss=(
-        Passed("kl_estimator", "kl_estimator", "k3", convention=True),
-        Passed("kl_clamp", "kl_clamp", None, convention=True),
-        Passed("use_bias_correction_kl", "use_bias_correction_kl", False, convention=True),
+        Passed("kl_estimator", unless="k3", convention=True),
+        Passed("kl_clamp", unless=None, convention=True),
+        Passed("use_bias_correction_kl", unless=False, convention=True),
     ),
     card=_card,
     inert=(

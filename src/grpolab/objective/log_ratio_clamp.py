@@ -30,6 +30,6 @@ def _card(o) -> dict[str, str]:
 LOG_RATIO_CLAMP = Option(
     name="log_ratio_clamp",
     keys=LogRatioClampKeys,
-    loss=(Passed("log_ratio_clamp", "log_ratio_clamp", None, convention=True, policy=True),),
+    loss=(Passed("log_ratio_clamp", unless=None, convention=True, policy=True),),
     card=_card,
 )

@@ -63,6 +63,7 @@ ESTIMATOR = Estimator(
 )
 REINFORCE_PP = Option(
     name="reinforce_pp",
+    estimator=ESTIMATOR,
     active=lambda o: o.advantage_estimator == "reinforce_pp",
     card=_card,
     advantage_inputs=advantage_inputs,

@@ -31,4 +31,4 @@ def _card(o) -> dict[str, str]:
 
 
 ESTIMATOR = Estimator(name="rloo", estimate=estimate, reference=reference)
-RLOO = Option(name="rloo", card=_card)
+RLOO = Option(name="rloo", estimator=ESTIMATOR, card=_card)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from grpolab.check import Check, Mutant
-from grpolab.objective.base import Option, Passed, Surrogate, masked_mean, max_abs
+from grpolab.objective.base import Option, Surrogate, masked_mean, max_abs
 from grpolab.schema import Inert, above, key
 
 # |tau (ratio - 1)| beyond which 4 s (1 - s) < 1/2: s = (1 + sqrt(1/2)) / 2.
@@ -98,30 +98,20 @@ SURROGATE = Surrogate(
     per_token=per_token,
     reference=reference,
     bounds=bounds,
-    options=("sapo_temperature_pos", "sapo_temperature_neg"),
 )
 SAPO = Option(
     name="sapo",
     trl={k: k for k in ("sapo_temperature_pos", "sapo_temperature_neg")},
     keys=SapoKeys,
+    policy_term=SURROGATE,
     active=_declared,
-    loss=(
-        Passed("sapo_temperature_pos", "sapo_temperature_pos", policy=True),
-        Passed("sapo_temperature_neg", "sapo_temperature_neg", policy=True),
-    ),
     card=_card,
     inert=(
         Inert(
-            ("objective.sapo_temperature_pos", "objective.sapo_temperature_neg"),
-            ("objective.loss_type",),
-            lambda c: c.objective.loss_type != "sapo",
-            "with objective.loss_type={c.objective.loss_type}: it is SAPO's gate",
-        ),
-        Inert(
             ("objective.epsilon", "objective.epsilon_high"),
-            ("objective.loss_type",),
-            lambda c: c.objective.loss_type == "sapo",
-            "with objective.loss_type=sapo: SAPO's soft gate has no clip range",
+            ("objective.loss_type", "objective.surrogate"),
+            lambda c: c.objective.policy_term == "sapo",
+            "with the sapo surrogate: SAPO's soft gate has no clip range",
         ),
     ),
     checks=(

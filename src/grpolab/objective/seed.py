@@ -115,15 +115,15 @@ SEED = Option(
     loss=(
         Passed("epsilon", "eps_low"),
         Passed("epsilon_high", "eps_high"),
-        Passed("beta", "beta"),
+        Passed("beta"),
         Passed("loss_type", "loss_agg"),
-        Passed("max_completion_length", "max_completion_length"),
+        Passed("max_completion_length"),
     ),
     advantages=(
         Passed("scale_rewards", "scale"),
         Passed("advantage_eps", "eps"),
         Passed("advantage_std", "std", "population", convention=True),
-        Passed("zero_std_guard", "zero_std_guard", True, convention=True),
+        Passed("zero_std_guard", unless=True, convention=True),
         Passed("advantage_estimator", "estimator", "grpo"),
     ),
     card=_card,

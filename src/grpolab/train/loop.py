@@ -29,6 +29,7 @@ from rich.markup import escape
 from grpolab import core
 from grpolab.config import (
     Config,
+    MonitorsConfig,
     differences_from_defaults,
     load_notes,
     load_warnings,
@@ -52,6 +53,7 @@ from grpolab.train.checkpoint import (
 )
 from grpolab.train.evaluate import accuracy_rewards, evaluate_greedy, evaluate_pass_at_k
 from grpolab.train.monitors import (
+    MonitorLimits,
     MonitorStop,
     NonFiniteError,
     RewardDivergence,
@@ -88,6 +90,43 @@ class RewardsFailing(RuntimeError):
     steps in a row: the run stopped with a checkpoint; the message names it and its error."""
 
 
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the loop's inner parts (the steps, the monitors, the logging, the evaluation)
+    read of the config, built once at the start (`LoopSettings.of`)."""
+
+    max_steps: int
+    progress_bar: bool
+    logging_steps: int
+    log_completions_steps: int
+    log_completions_count: int
+    save_steps: int
+    eval_steps: int
+    eval_examples: int
+    eval_length: int  # the held-out completions' length budget
+    eval_batch_size: int
+    monitors: MonitorsConfig  # its thresholds, action and stop counts
+    limits: MonitorLimits  # the per-step limits under the run's dtype and precision
+
+    @classmethod
+    def of(cls, cfg: Config, precision) -> LoopSettings:
+        e, log = cfg.eval, cfg.logging
+        return cls(
+            max_steps=cfg.max_steps,
+            progress_bar=log.progress,
+            logging_steps=log.logging_steps,
+            log_completions_steps=log.log_completions_steps,
+            log_completions_count=log.log_completions_count,
+            save_steps=cfg.checkpoints.save_steps,
+            eval_steps=e.eval_steps,
+            eval_examples=e.eval_examples,
+            eval_length=e.eval_max_completion_length or cfg.rollout.max_completion_length,
+            eval_batch_size=cfg.eval_batch_size,
+            monitors=cfg.monitors,
+            limits=limits_for(cfg.monitors, cfg.model.dtype, precision),
+        )
+
+
 @dataclass
 class Session:
     """A run in progress, and where it writes."""
@@ -98,6 +137,7 @@ class Session:
     console: Console
     start_step: int
     resume_dir: Path | None
+    loop: LoopSettings
     # The loop's own state, kept in checkpoints: accuracy_before, eval_history,
     # wall_seconds (of the runs before a resume), config_changes.
     progress: dict[str, Any] = field(default_factory=dict)
@@ -235,8 +275,9 @@ def start(
         )
     log_dir = run_dir if d.main else Path(tempfile.mkdtemp(prefix=f"grpolab-rank{d.rank}-"))
     progress = {k: progress[k] for k in PROGRESS_KEYS if k in progress}
-    return Session(run, run_dir, log_dir, console, start_step, resume_dir, progress, wall_start,
-                   overwrite=overwrite, damaged=damaged)  # fmt: skip
+    loop = LoopSettings.of(cfg, run.precision)
+    return Session(run, run_dir, log_dir, console, start_step, resume_dir, loop, progress,
+                   wall_start, overwrite=overwrite, damaged=damaged)  # fmt: skip
 
 
 def claim(run_dir: Path, resume: bool, overwrite: bool, d) -> RunLock | None:
@@ -361,15 +402,15 @@ def steps(session: Session) -> None:
     """grpo_step from the start step to max_steps, each watched, logged and (every
     save_steps) checkpointed. Stops with a checkpoint on a monitor (monitors.action=stop),
     on too many non-finite steps in a row, or on Ctrl-C / SIGTERM."""
-    run, cfg = session.run, session.run.cfg
+    run, loop = session.run, session.loop
     session.step = session.start_step
     with (
-        progress_bar(session.console, cfg.logging.progress) as bar,
+        progress_bar(session.console, loop.progress_bar) as bar,
         StopRequests(bar.console) as stop,
     ):
-        bar_task = bar.add_task("grpo", total=cfg.max_steps, completed=session.start_step, info="")
+        bar_task = bar.add_task("grpo", total=loop.max_steps, completed=session.start_step, info="")
         session.emit("train_begin")
-        for step in range(session.start_step + 1, cfg.max_steps + 1):
+        for step in range(session.start_step + 1, loop.max_steps + 1):
             try:
                 metrics, batch = grpo_step(run, step)
             except KeyboardInterrupt:  # a second Ctrl-C: the step is incomplete, not saved
@@ -385,8 +426,8 @@ def steps(session: Session) -> None:
             session.emit("step", step=step, metrics=metrics)
             bar.update(bar_task, completed=step, info=f"reward {metrics['reward/mean']:.3f}")
             first = step == session.start_step + 1
-            if first or step % cfg.logging.logging_steps == 0 or metrics["skipped"] or failing:
-                bar.console.print(session.tracker.console_line(step, cfg.max_steps, metrics))
+            if first or step % loop.logging_steps == 0 or metrics["skipped"] or failing:
+                bar.console.print(session.tracker.console_line(step, loop.max_steps, metrics))
             if first and abs(metrics["loss"]) < ZERO_LOSS:
                 bar.console.print(f"note: {ZERO_LOSS_NOTE}")
             stop_if_unhealthy(session, step, warnings, batch, zeroed_step(step, metrics))
@@ -398,8 +439,8 @@ def steps(session: Session) -> None:
                     f"continue with {continue_command(session.run_dir)}"
                 )
             session.stop = dist_module.any_rank(session.stop, run.dist)  # every rank stops
-            every = cfg.checkpoints.save_steps
-            if every and step % every == 0 and step < cfg.max_steps and not session.stop:
+            every = loop.save_steps
+            if every and step % every == 0 and step < loop.max_steps and not session.stop:
                 save(session, step)
             if session.stop:
                 break
@@ -418,15 +459,14 @@ ZERO_LOSS_NOTE = (
 def watch(session: Session, step: int, metrics: dict, batch: StepBatch, console) -> list[str]:
     """The monitors' warnings for this step (printed, and kept in its metrics); the
     non-finite guard's counters."""
-    run, m = session.run, session.run.cfg.monitors
+    run, m = session.run, session.loop.monitors
     count_nonfinite(run, metrics["skipped"])
     metrics["skipped_steps"] = run.skipped_steps
     if m.action == "off":
         return []
-    limits = limits_for(m, run.cfg.model.dtype, run.precision)
     trainer_logp_old = run.objective.on_policy
     watched = metrics | {"nonfinite": batch.nonfinite}
-    warnings = check_step(step, watched, limits, trainer_logp_old)
+    warnings = check_step(step, watched, session.loop.limits, trainer_logp_old)
     gaps, diverging = session.divergence.update(step, metrics)  # the reward running ahead
     metrics |= gaps
     warnings += diverging
@@ -454,15 +494,15 @@ def count_reward_failures(session: Session, batch: StepBatch) -> list[str]:
 
 def record(session: Session, step: int, metrics: dict, batch: StepBatch) -> None:
     """Held-out accuracy every eval_steps, metrics.jsonl, sample completions."""
-    cfg = session.run.cfg
-    if cfg.eval.eval_steps and step % cfg.eval.eval_steps == 0 and step < cfg.max_steps:
+    loop = session.loop
+    if loop.eval_steps and step % loop.eval_steps == 0 and step < loop.max_steps:
         accuracy, strict = held_out_accuracy(session, f"at step {step}")
         metrics["eval_accuracy"], metrics["eval_strict_accuracy"] = accuracy, strict
         session.progress["eval_history"].append([step, metrics["eval_accuracy"]])
     session.tracker.log(step, metrics)
-    log = cfg.logging
-    if log.log_completions_steps and (step == 1 or step % log.log_completions_steps == 0):
-        session.tracker.log_completions(step, batch.samples(log.log_completions_count))
+    every = loop.log_completions_steps
+    if every and (step == 1 or step % every == 0):
+        session.tracker.log_completions(step, batch.samples(loop.log_completions_count))
 
 
 def stop_if_unhealthy(
@@ -471,7 +511,7 @@ def stop_if_unhealthy(
     """monitors.action=stop with a warning, a step whose every importance weight was dropped
     (`zeroed`, whatever the action), or max_consecutive_nonfinite skipped steps in a row:
     save, write the replay capsule (non-finite), raise."""
-    run, m = session.run, session.run.cfg.monitors
+    run, m = session.run, session.loop.monitors
     if zeroed:
         path = save(session, step)
         session.tracker.close()
@@ -517,11 +557,10 @@ def save(session: Session, step: int) -> Path:
 def held_out_accuracy(session: Session, label: str) -> tuple[float | None, float | None]:
     """(accuracy, strict accuracy), greedy, in percent on the task's held-out problems (None
     when there are none or eval.eval_examples=0)."""
-    run, e = session.run, session.run.cfg.eval
-    if e.eval_examples == 0 or not run.task.eval:
+    run, loop = session.run, session.loop
+    if loop.eval_examples == 0 or not run.task.eval:
         return None, None
-    length = e.eval_max_completion_length or run.cfg.rollout.max_completion_length
-    examples = run.task.eval[: e.eval_examples]
+    examples = run.task.eval[: loop.eval_examples]
     run.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: not held meanwhile
     progress = EvalProgress(session.console, f"held-out accuracy {label}", len(examples))
     # Batches of a training rollout's size: no larger a KV cache than training needs.
@@ -529,8 +568,8 @@ def held_out_accuracy(session: Session, label: str) -> tuple[float | None, float
         run.engine,
         examples,
         run.accuracy,
-        length,
-        run.cfg.eval_batch_size,
+        loop.eval_length,
+        loop.eval_batch_size,
         run.task.answer_kind,
         on_batch=progress,
         judge=run.task.strict_judge,
