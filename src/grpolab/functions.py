@@ -3,9 +3,9 @@ the drill alike.
 
 grpolab's own table is `grpolab.core` with the log-probs of `grpolab.model.logprobs` (the fused
 path unless `logprobs="naive"`); a user's file (`--impl`, the drill's `my_grpo.py`) replaces
-any of the six functions it defines (and of the step's four others: `tis_weights`,
-`informative_groups`, `truncation_mask`, and the micro-batch scaling `micro_batch_scale`), and
-the rest stay grpolab's.
+any of the six functions it defines (and of the step functions the objective's units bring,
+`tis_weights`, `informative_groups`, `truncation_mask`, `entropy_threshold`, and the
+micro-batch scaling `micro_batch_scale`: `core.MENU_FUNCTIONS`), and the rest stay grpolab's.
 """
 
 from __future__ import annotations
