@@ -57,8 +57,13 @@ DECLARED = {
         "entropy_coef": 0.01,
         "top_entropy_quantile": 0.2,
     },
-    # the surrogate apart from its normaliser: SAPO over the tokens (TRL's SAPO: per sequence)
-    "sapo_token": {"surrogate": "sapo", "loss_type": "token"},
+    # the surrogate apart from its normaliser: SAPO over the tokens (TRL's SAPO: per sequence),
+    # with GSPO's sequence ratio (whose checks probe the clipped surrogate, not the given one)
+    "sapo_token": {
+        "surrogate": "sapo",
+        "loss_type": "token",
+        "importance_sampling_level": "sequence",
+    },
     "kl": {"kl_estimator": "k2", "kl_clamp": 10.0, "beta": 0.04},
     # every tis_mode ("menu" declares sequence_mask), and k1 with TRL's bias correction
     "tis_token_truncate": {"tis_cap": 2.0, "tis_mode": "token_truncate"},

@@ -99,6 +99,14 @@ def sample_overrides(rng: random.Random) -> list[str]:
             ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
         )
     t["num_iterations"] = rng.choice([1, 1, 2])
+    # The options added since, from a generator of their own (seeded by the draw so far), so
+    # that the draws above, and the configs every seed gives, stay as they were.
+    extra = random.Random(" ".join(f"{k}={v}" for k, v in t.items()))
+    if t["loss_type"] not in ("cispo", "sapo") and extra.random() < 0.3:
+        bounded = "delta" in t or "dual_clip" in t  # bounds of the clip alone
+        others = [] if bounded else ["sapo"] + ["cispo"] * (t["epsilon_high"] > 1)
+        t["surrogate"] = extra.choice(["clip", *others])
+    t["top_entropy_quantile"] = extra.choice([1.0, 1.0, 0.2, round(extra.uniform(0.05, 1), 2)])
     overrides = [f"trainer.{k}={v}" for k, v in t.items()]
     overrides.append(f"rollout.temperature={round(rng.uniform(0.3, 1.5), 2)}")
     overrides.append(f"rollout.top_k={rng.choice([0, 0, 0, 5, 20])}")

@@ -104,7 +104,7 @@ class ChoiceKeys:
     advantage_estimator: str = key("grpo", choices=ADVANTAGE_ESTIMATORS)
     # The policy term, apart from the normaliser: clip (the seed's clipped surrogate) | cispo
     # | sapo; null = the one loss_type names (clip, or TRL's cispo / sapo with their own
-    # normaliser). surrogate: sapo with loss_type: sequence is SAPO normalised per sequence.
+    # normaliser). surrogate: sapo with loss_type: token is SAPO over the batch's tokens.
     surrogate: str | None = key(None, choices=(None, *SURROGATE_NAMES))
 
 

@@ -6,8 +6,9 @@ gradient; the other tokens' policy term is multiplied by 0 and the normaliser is
 
 The set is chosen once per step, before its first update, over every completion token of the
 global batch (the paper's; TRL draws it per micro-batch from the policy being updated, so
-there its gradient depends on the micro-batch split): the same tokens under any micro-batch,
-token budget or world size, and for every inner epoch, as logp_old is the same."""
+there its gradient depends on the micro-batch split): the same threshold population under any
+micro-batch, token budget or world size (only a token within the forward's rounding of the
+threshold may fall either side), and the same tokens for every inner epoch, as logp_old."""
 
 from __future__ import annotations
 

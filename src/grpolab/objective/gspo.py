@@ -87,8 +87,9 @@ def wide_clip(o):
     """The declared ratio under the clipped surrogate with bounds no probe reaches: at A = 1
     each token's loss is -ratio for any ratio in (1e-6, 1e9)."""
     return dataclasses.replace(
-        o, loss_type=o.aggregation, epsilon=1 - 1e-6, epsilon_high=1e9, delta=None, dual_clip=None
-    )
+        o, loss_type=o.aggregation, surrogate=None, epsilon=1 - 1e-6, epsilon_high=1e9,
+        delta=None, dual_clip=None,
+    )  # fmt: skip
 
 
 def stale_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

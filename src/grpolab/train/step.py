@@ -243,12 +243,12 @@ def sample_and_score(
         params = s.sampling(seeds.rollout_seed(s.seed, step, d.rank, round_))
         rollout = run.engine.generate([e.prompt for e in examples], G, params)
     if rollout.engine_logprobs is None:
-        for unit in active_units(run.objective):
-            if unit.engine_logprobs(run.objective):
-                raise ValueError(
-                    f"{unit.engine_logprobs(run.objective)} needs the engine's log-probs; this "
-                    "engine returned none (vLLM with top_k / top_p)"
-                )
+        needing = [u.engine_logprobs(run.objective) for u in active_units(run.objective)]
+        for key in filter(None, needing):
+            raise ValueError(
+                f"{key} needs the engine's log-probs; this engine returned none (vLLM with "
+                "top_k / top_p)"
+            )
     timings["time/rollout"] = timings.get("time/rollout", 0.0) + time.perf_counter() - tic
     tic = time.perf_counter()
     scores = score(rollout, examples, run.rewards)
@@ -346,10 +346,11 @@ def logprobs_before_update(
         if batch.engine_logprobs is None:
             raise ValueError("objective.logprob_source=engine but the engine returned no log-probs")
         logp_old = batch.engine_logprobs
-    if (logp_old is None and not run.settings.old_from_loss_forward) or wants_entropy:
+    needs_old = logp_old is None and not run.settings.old_from_loss_forward
+    if needs_old or wants_entropy:  # one forward for both
         with autocast(run.precision, run.device):  # the loss forward's precision
             logp, entropy = logprobs_in_chunks(run, run.model, batch, wants_entropy)
-        logp_old = logp if logp_old is None and not run.settings.old_from_loss_forward else logp_old
+        logp_old = logp if needs_old else logp_old
     logp_ref = None
     if o.beta > 0:
         with autocast(run.precision, run.device):
@@ -387,17 +388,11 @@ def units_before_update(run: Run, batch: StepBatch, entropy) -> dict[str, torch.
     units = [u for u in active_units(o) if u.before_update]
     if not units:
         return {}
-    mask = loss_mask(batch)
+    mask = batch.completion_mask[:, 1:].float()  # [B, T-1]: the tokens in the loss
+    if batch.loss_rows is not None:
+        mask = mask * batch.loss_rows[:, None]
     tokens = StepTokens(mask, entropy, lambda values: dist_module.all_gather_varying(values, d))
     return {k: v for u in units for k, v in u.before_update(o, run.functions, tokens).items()}
-
-
-def loss_mask(batch: StepBatch, rows=slice(None)) -> torch.Tensor:
-    """[b, T-1]: the completion tokens of `rows` in the loss (rows out of it zeroed)."""
-    mask = batch.completion_mask[rows, 1:].float()
-    if batch.loss_rows is not None:
-        mask = mask * batch.loss_rows[rows, None]
-    return mask
 
 
 def reference_logprobs(run: Run, batch: StepBatch) -> torch.Tensor:
