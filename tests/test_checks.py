@@ -207,3 +207,37 @@ if __name__ == "__main__":  # the blame table: which checks each known bug fails
         failing = blame_order(model, batch, mutant)
         mark = "" if failing[:1] == [check] else "   <- not first"
         print(f"{mutant:30s} {check:30s} {', '.join(failing)}{mark}")
+
+
+@pytest.mark.parametrize("same_rows", [False, True])
+def test_the_sgd_direction_is_measured_with_one_row_per_micro_batch(model_and_batch, same_rows):
+    """A trainer's micro-batch of one row (mini-batch 2 in 2 accumulation steps) and a batch
+    whose rows are all one sequence (a confident model) still give the step a direction to
+    show: the gradient is accumulated over micro-batches of rows holding distinct sequences,
+    and a batch of one sequence gets a second."""
+    model, batch = model_and_batch
+    if same_rows:
+        batch = batch.rows(torch.zeros(batch.input_ids.shape[0], dtype=torch.long))
+    settings = PreflightSettings(grad_rows=1)
+    only = {"loss.sgd_direction"}
+    (ours,) = run_checks(model, batch, settings, only=only)
+    assert ours.passed and ours.measured > 0, ours.measured
+    flipped = load_impl(MUTANTS / "sign_flipped.py")
+    (theirs,) = run_checks(model, batch, settings, impl=flipped, only=only)
+    assert not theirs.passed and theirs.measured < 0, theirs.measured
+
+
+def test_an_unmasked_ratio_mean_is_caught_where_the_padded_ratios_average_to_one(
+    model_and_batch,
+):
+    """The clip case's padded ratios are 1 +- the mean epsilon: with epsilon 0.36 and
+    epsilon_high 0.138 they average to 1, as the real ratios nearly do, and a ratio mean over
+    every slot came within 3e-5 of the masked one."""
+    model, batch = model_and_batch
+    settings = declared({"epsilon": 0.36, "epsilon_high": 0.138, "loss_type": "bnpo"})
+    only = {"loss.metrics"}
+    (ours,) = run_checks(model, batch, settings, only=only)
+    assert ours.passed, ours.measured
+    unmasked = load_impl(MUTANTS / "unmasked_ratio_mean.py")
+    (theirs,) = run_checks(model, batch, settings, impl=unmasked, only=only)
+    assert not theirs.passed, theirs.measured

@@ -11,7 +11,7 @@ import torch
 
 from grpolab import core
 from grpolab.check import Check, Mutant
-from grpolab.checks.context import few_group_rows
+from grpolab.checks.context import FEW_ROWS, PreflightBatch
 from grpolab.objective.base import max_abs
 from grpolab.objective.kl import reference as reference_kl
 
@@ -23,6 +23,10 @@ def perturbed(ctx):
     def compute():
         g = torch.Generator().manual_seed(ctx.settings.seed + 1)
         logp_new, logp_old, adv, mask = ctx.clip_case()
+        # Padding at ratio e, far from any mean of the real ratios: the clip case's two padded
+        # ratios, 1 +- the mean epsilon, average to 1, as the real ones nearly do, so a mean
+        # over every slot could land within the tolerance of the masked one.
+        logp_new = torch.where(mask.bool(), logp_new, logp_old + 1.0)
         logp_ref = logp_old + 0.3 * torch.randn(logp_old.shape, generator=g)
         beta = ctx.objective.beta if ctx.objective.beta > 0 else 0.04
         loss, metrics = ctx.loss(logp_new, logp_old, logp_ref, adv, mask, beta=beta, L=8)
@@ -70,38 +74,52 @@ def metrics(ctx):
     )
 
 
-def distinct_signed_advantages(input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """[B] +1, -1, +1, ... over the batch's DISTINCT sequences, copies of a sequence sharing
-    its sign: a confident model samples one completion G times, and +1 and -1 on two copies
-    of it cancel in the gradient exactly, leaving nothing for an SGD step to show. None when
-    the batch holds one sequence only (no direction to measure)."""
-    keys = [tuple((row * m).tolist()) for row, m in zip(input_ids, attention_mask, strict=True)]
-    order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-    if len(order) < 2:
-        return None
-    return torch.tensor([1.0 if order[k] % 2 == 0 else -1.0 for k in keys])
+def distinct_rows(batch: PreflightBatch, n: int) -> PreflightBatch:
+    """Up to n rows holding distinct sequences, in batch order: a confident model samples one
+    completion G times, and +1 and -1 on two copies of it cancel in the gradient exactly,
+    leaving nothing for an SGD step to show. A batch of one sequence gets a second: a copy
+    of it whose last completion token is another token."""
+    pairs = zip(batch.input_ids, batch.attention_mask, strict=True)
+    keys = [tuple((row * m).tolist()) for row, m in pairs]
+    rows = [keys.index(k) for k in list(dict.fromkeys(keys))[:n]]
+    picked = batch.rows(torch.tensor(rows))
+    if len(rows) > 1 or not picked.completion_mask.any():
+        return picked
+    twice = picked.rows(torch.tensor([0, 0]))
+    last = int(picked.completion_mask[0].nonzero().max())
+    token = int(twice.input_ids[1, last])
+    twice.input_ids[1, last] = token - 1 if token > 0 else 1
+    return twice
 
 
 def sgd_direction(ctx):
-    """One small SGD step with the implementation's loss, taken on float32 weights: a copy of
-    a low-precision model (its rounding would swallow the step), else the model's own weights
-    swapped for stepped ones during one forward (no copy; the originals are put back)."""
-    batch, model = few_group_rows(ctx.batch, ctx.settings), ctx.model
+    """One small SGD step with the implementation's loss over a few rows of distinct sequences
+    (advantages +1, -1, +1, ...), their gradient accumulated over micro-batches of the
+    trainer's size, taken on float32 weights: a copy of a low-precision model (its rounding
+    would swallow the step), else the model's own weights swapped for stepped ones during
+    one forward (no copy; the originals are put back)."""
+    batch, model = distinct_rows(ctx.batch, FEW_ROWS), ctx.model
+    B = batch.input_ids.shape[0]
+    if B < 2:
+        return ctx.result("the batch holds no completion token", 0, "-", True)
     fp32 = all(p.dtype == torch.float32 for p in model.parameters())
     policy = model if fp32 else copy.deepcopy(model).float()
     policy.eval()
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
-    args += (ctx.objective.temperature,)
-    advantages = distinct_signed_advantages(batch.input_ids, batch.attention_mask)
-    if advantages is None:
-        return ctx.result("the batch holds one distinct sequence", 0, "-", True)
+    T = ctx.objective.temperature
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, T)
+    advantages = torch.tensor([1.0 if r % 2 == 0 else -1.0 for r in range(B)])
     with torch.no_grad():
         before, mask = core.sequence_logprobs(policy, *args)
     policy.zero_grad(set_to_none=True)
-    logp_new, impl_mask = ctx.impl.sequence_logprobs(policy, *args)
-    loss, _ = ctx.loss(logp_new, before, None, advantages, impl_mask)
-    ctx.backward(loss)
-    del logp_new, impl_mask, loss
+    micro = ctx.settings.grad_rows or B
+    for r in range(0, B, micro):  # the trainer's micro-batches: where training fits
+        part = slice(r, r + micro)
+        part_args = (batch.input_ids[part], batch.attention_mask[part])
+        part_args += (batch.completion_mask[part], T)
+        logp_new, impl_mask = ctx.impl.sequence_logprobs(policy, *part_args)
+        loss, _ = ctx.loss(logp_new, before[part], None, advantages[part], impl_mask)
+        ctx.backward(loss)
+        del logp_new, impl_mask, loss
     after = _stepped_logprobs(policy, args)
     change = ((after - before) * mask).sum(1) / mask.sum(1).clamp(min=1)  # [B]
     up = change[advantages > 0].mean().item()
