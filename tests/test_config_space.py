@@ -5,10 +5,11 @@ Configs are drawn with a fixed seed from every key the objective has (profiles, 
 across (0, 1), G, temperature, beta, loss types, estimators, scales, the menu's options and
 their combinations) and from the keys the checks read besides (the sampler's top-k and top-p,
 the minibatch and micro-batch split) and go through load_config, so only configs it accepts
-are checked. CI checks CI_CONFIGS of them at each of CI_SEEDS, and each mutant of the seed's
-functions under MUTANT_CONFIGS;
-`python tests/test_config_space.py N [SEED] [--mutants]` checks N offline and prints each
-false alarm (and each mutant that passes its check where it is a bug).
+are checked. CI checks CI_CONFIGS of them at each of CI_SEEDS, each mutant of the seed's
+functions under MUTANT_CONFIGS, and each of the menu's mutants under MENU_CONFIGS with its
+option declared on top;
+`python tests/test_config_space.py N [SEED] [--mutants] [--menu]` checks N offline and prints
+each false alarm (and each mutant that passes its check where it is a bug).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_policy
-from test_checks import CAUGHT_BY
+from test_checks import CAUGHT_BY, MENU_CAUGHT_BY
 
 from grpolab import core
 from grpolab.checks.context import Context, PreflightBatch
@@ -31,6 +32,7 @@ from grpolab.config import ConfigError, load_config, skips_zero_advantage
 from grpolab.functions import core_functions, load_impl
 from grpolab.rollout import SamplingParams
 from grpolab.rollout.hf import HFEngine
+from grpolab.train.preflight import settings_from_config
 
 CI_CONFIGS = 40
 CI_SEEDS = (21, 2026)
@@ -45,7 +47,10 @@ APPLIES = {
     "reversed_k3": lambda o: o.kl_estimator == "k3",
     "token_mean_declared_sequence": lambda o: core.aggregation(o.loss_type) != "token",
     "no_temperature": lambda o: o.temperature != 1.0,
+    # under a token mean, GSPO's sequence value weighs each sequence by its length as declared
+    "gspo_length_weighted": lambda o: core.aggregation(o.loss_type) != "token",
 }
+MENU_CONFIGS = 3  # sampled configs per menu mutant, its option declared on top of each
 PROMPTS = ["37+48=", "5+5=", "12+30=", "99+1="]
 
 
@@ -172,8 +177,6 @@ class Batches:
 
 
 def false_alarms(batches: Batches, cfg) -> list[tuple[str, float, str]]:
-    from grpolab.train.preflight import settings_from_config
-
     s = settings_from_config(cfg)
     batch = batches.get(cfg)
     results = run_checks(batches.model, batch, s)
@@ -215,8 +218,6 @@ def test_grpolabs_own_functions_pass_every_check_under_sampled_configs(batches, 
 
 def mutant_misses(batches: Batches, cfg, mutant: str) -> str | None:
     """None when `mutant` fails its named check under cfg (or is no bug there), else why."""
-    from grpolab.train.preflight import settings_from_config
-
     s = settings_from_config(cfg)
     check = CAUGHT_BY[mutant]
     if not APPLIES.get(mutant, lambda o: True)(s.objective):
@@ -235,6 +236,61 @@ def test_each_mutant_fails_its_check_under_sampled_configs(batches, mutant):
         assert mutant_misses(batches, cfg, mutant) is None, overrides
 
 
+SAMPLING_KEYS = ("temperature", "top_k", "top_p")  # declared with the objective, set in rollout
+
+
+def with_declared(overrides: list[str], declared: dict) -> list[str]:
+    """A sampled config's overrides with a mutant's declared options on top (its profile
+    first, so that its keys win over the profile's)."""
+    profile = [f"trainer.profile={declared['profile']}"] if "profile" in declared else []
+    keys = [
+        f"{'rollout' if k in SAMPLING_KEYS else 'trainer'}.{k}={'null' if v is None else v}"
+        for k, v in declared.items()
+        if k != "profile"
+    ]
+    return overrides + profile + keys
+
+
+def menu_configs(mutant: str, n: int, seed: int):
+    """Sampled configs that stay valid with the mutant's option declared on top and where
+    the mutant is a bug, (overrides, config), from the first 10 n draws."""
+    declared = MENU_CAUGHT_BY[mutant][1]
+    for overrides, _ in valid_configs(10 * n, seed):
+        try:
+            cfg = load_config(None, with_declared(overrides, declared))
+        except ConfigError:
+            continue
+        if APPLIES.get(mutant, lambda o: True)(settings_from_config(cfg).objective):
+            yield with_declared(overrides, declared), cfg
+
+
+def menu_mutant_misses(batches: Batches, cfg, mutant: str) -> tuple[bool, str | None]:
+    """(whether the mutant's named check runs under cfg, None when it fails it there, else
+    why). A check may not run where another key makes its option inert (delta under SAPO)."""
+    check = MENU_CAUGHT_BY[mutant][0]
+    impl = load_impl(MUTANTS / f"{mutant}.py")
+    s = settings_from_config(cfg)
+    results = run_checks(batches.model, batches.get(cfg), s, impl=impl, only={check})
+    if not results:
+        return False, None
+    return True, None if not results[0].passed else f"{mutant} passes {check}"
+
+
+@pytest.mark.parametrize("mutant", sorted(MENU_CAUGHT_BY))
+def test_each_menu_mutant_fails_its_check_under_sampled_configs(batches, mutant):
+    """The menu's mutants under sampled configs with their option declared on top (a check
+    that catches its bug under the one objective test_checks declares may miss it beside
+    other options: a micro-batch of one row, another loss type)."""
+    ran = 0
+    for overrides, cfg in menu_configs(mutant, MENU_CONFIGS, CI_SEEDS[0]):
+        checked, why = menu_mutant_misses(batches, cfg, mutant)
+        assert why is None, overrides
+        ran += checked
+        if ran == MENU_CONFIGS:
+            break
+    assert ran, f"{MENU_CAUGHT_BY[mutant][0]} ran under no sampled config"
+
+
 def main(argv: list[str]) -> int:
     numbers = [a for a in argv if not a.startswith("--")]
     n = int(numbers[0]) if numbers else 200
@@ -251,6 +307,18 @@ def main(argv: list[str]) -> int:
             if why:
                 misses += 1
                 print(" ".join(overrides), "->", why)
+        for mutant, (_, declared) in sorted(MENU_CAUGHT_BY.items()) if "--menu" in argv else []:
+            try:
+                menu_cfg = load_config(None, with_declared(overrides, declared))
+            except ConfigError:
+                continue
+            if not APPLIES.get(mutant, lambda o: True)(settings_from_config(menu_cfg).objective):
+                continue
+            checked, why = menu_mutant_misses(batches, menu_cfg, mutant)
+            pairs += checked
+            if why:
+                misses += 1
+                print(" ".join(with_declared(overrides, declared)), "->", why)
     print(f"{n} valid configs (seed {seed}): {alarms} false alarms; ", end="")
     print(f"{misses} mutant misses of {pairs} (mutant, config) pairs")
     return 1 if alarms or misses else 0
