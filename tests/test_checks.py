@@ -198,17 +198,6 @@ def test_each_mutant_is_blamed_on_its_own_check_first(model_and_batch, mutant):
     assert failing[:1] == [BLAMED[mutant][0]], failing
 
 
-if __name__ == "__main__":  # the blame table: which checks each known bug fails
-    from conftest import scored_batch, tiny_policy, tiny_rollout
-
-    model, tokenizer = tiny_policy()
-    batch = scored_batch(tiny_rollout(model, tokenizer))
-    for mutant, (check, _) in sorted(BLAMED.items()):
-        failing = blame_order(model, batch, mutant)
-        mark = "" if failing[:1] == [check] else "   <- not first"
-        print(f"{mutant:30s} {check:30s} {', '.join(failing)}{mark}")
-
-
 @pytest.mark.parametrize("same_rows", [False, True])
 def test_the_sgd_direction_is_measured_with_one_row_per_micro_batch(model_and_batch, same_rows):
     """A trainer's micro-batch of one row (mini-batch 2 in 2 accumulation steps) and a batch
@@ -241,3 +230,14 @@ def test_an_unmasked_ratio_mean_is_caught_where_the_padded_ratios_average_to_one
     unmasked = load_impl(MUTANTS / "unmasked_ratio_mean.py")
     (theirs,) = run_checks(model, batch, settings, impl=unmasked, only=only)
     assert not theirs.passed, theirs.measured
+
+
+if __name__ == "__main__":  # the blame table: which checks each known bug fails
+    from conftest import scored_batch, tiny_policy, tiny_rollout
+
+    model, tokenizer = tiny_policy()
+    batch = scored_batch(tiny_rollout(model, tokenizer))
+    for mutant, (check, _) in sorted(BLAMED.items()):
+        failing = blame_order(model, batch, mutant)
+        mark = "" if failing[:1] == [check] else "   <- not first"
+        print(f"{mutant:30s} {check:30s} {', '.join(failing)}{mark}")

@@ -251,17 +251,22 @@ def with_declared(overrides: list[str], declared: dict) -> list[str]:
     return overrides + profile + keys
 
 
+def menu_config(overrides: list[str], mutant: str):
+    """(overrides, config) of a sampled config with the menu mutant's option declared on
+    top, or None where that is no valid config or the mutant no bug there."""
+    overrides = with_declared(overrides, MENU_CAUGHT_BY[mutant][1])
+    try:
+        cfg = load_config(None, overrides)
+    except ConfigError:
+        return None
+    bug_there = APPLIES.get(mutant, lambda o: True)(settings_from_config(cfg).objective)
+    return (overrides, cfg) if bug_there else None
+
+
 def menu_configs(mutant: str, n: int, seed: int):
-    """Sampled configs that stay valid with the mutant's option declared on top and where
-    the mutant is a bug, (overrides, config), from the first 10 n draws."""
-    declared = MENU_CAUGHT_BY[mutant][1]
-    for overrides, _ in valid_configs(10 * n, seed):
-        try:
-            cfg = load_config(None, with_declared(overrides, declared))
-        except ConfigError:
-            continue
-        if APPLIES.get(mutant, lambda o: True)(settings_from_config(cfg).objective):
-            yield with_declared(overrides, declared), cfg
+    """`menu_config` of each of the first 10 n sampled configs, where there is one."""
+    found = (menu_config(overrides, mutant) for overrides, _ in valid_configs(10 * n, seed))
+    return (pair for pair in found if pair is not None)
 
 
 def menu_mutant_misses(batches: Batches, cfg, mutant: str) -> tuple[bool, str | None]:
@@ -307,18 +312,13 @@ def main(argv: list[str]) -> int:
             if why:
                 misses += 1
                 print(" ".join(overrides), "->", why)
-        for mutant, (_, declared) in sorted(MENU_CAUGHT_BY.items()) if "--menu" in argv else []:
-            try:
-                menu_cfg = load_config(None, with_declared(overrides, declared))
-            except ConfigError:
-                continue
-            if not APPLIES.get(mutant, lambda o: True)(settings_from_config(menu_cfg).objective):
-                continue
-            checked, why = menu_mutant_misses(batches, menu_cfg, mutant)
+        for mutant in sorted(MENU_CAUGHT_BY) if "--menu" in argv else []:
+            pair = menu_config(overrides, mutant)
+            checked, why = menu_mutant_misses(batches, pair[1], mutant) if pair else (0, None)
             pairs += checked
             if why:
                 misses += 1
-                print(" ".join(with_declared(overrides, declared)), "->", why)
+                print(" ".join(pair[0]), "->", why)
     print(f"{n} valid configs (seed {seed}): {alarms} false alarms; ", end="")
     print(f"{misses} mutant misses of {pairs} (mutant, config) pairs")
     return 1 if alarms or misses else 0

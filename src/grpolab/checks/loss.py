@@ -94,10 +94,10 @@ def distinct_rows(batch: PreflightBatch, n: int) -> PreflightBatch:
 
 def sgd_direction(ctx):
     """One small SGD step with the implementation's loss over a few rows of distinct sequences
-    (advantages +1, -1, +1, ...), their gradient accumulated over micro-batches of the
-    trainer's size, taken on float32 weights: a copy of a low-precision model (its rounding
-    would swallow the step), else the model's own weights swapped for stepped ones during
-    one forward (no copy; the originals are put back)."""
+    (advantages +1, -1, +1, ...), taken on float32 weights: a copy of a low-precision model
+    (its rounding would swallow the step), else the model's own weights swapped for stepped
+    ones during its forwards (no copy; the originals are put back). Every forward runs in
+    micro-batches of the trainer's size (where training fits), the gradient accumulated."""
     batch, model = distinct_rows(ctx.batch, FEW_ROWS), ctx.model
     B = batch.input_ids.shape[0]
     if B < 2:
@@ -105,22 +105,27 @@ def sgd_direction(ctx):
     fp32 = all(p.dtype == torch.float32 for p in model.parameters())
     policy = model if fp32 else copy.deepcopy(model).float()
     policy.eval()
-    T = ctx.objective.temperature
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask, T)
-    advantages = torch.tensor([1.0 if r % 2 == 0 else -1.0 for r in range(B)])
-    with torch.no_grad():
-        before, mask = core.sequence_logprobs(policy, *args)
-    policy.zero_grad(set_to_none=True)
     micro = ctx.settings.grad_rows or B
-    for r in range(0, B, micro):  # the trainer's micro-batches: where training fits
-        part = slice(r, r + micro)
-        part_args = (batch.input_ids[part], batch.attention_mask[part])
-        part_args += (batch.completion_mask[part], T)
-        logp_new, impl_mask = ctx.impl.sequence_logprobs(policy, *part_args)
+    parts = [slice(r, r + micro) for r in range(0, B, micro)]
+    T = ctx.objective.temperature
+
+    def args(part):
+        return batch.input_ids[part], batch.attention_mask[part], batch.completion_mask[part], T
+
+    def logprobs() -> tuple[torch.Tensor, torch.Tensor]:  # [B, T-1] each, with no gradient
+        with torch.no_grad():
+            pieces = [core.sequence_logprobs(policy, *args(part)) for part in parts]
+        return torch.cat([lp for lp, _ in pieces]), torch.cat([m for _, m in pieces])
+
+    advantages = torch.tensor([1.0 if r % 2 == 0 else -1.0 for r in range(B)])
+    before, mask = logprobs()
+    policy.zero_grad(set_to_none=True)
+    for part in parts:
+        logp_new, impl_mask = ctx.impl.sequence_logprobs(policy, *args(part))
         loss, _ = ctx.loss(logp_new, before[part], None, advantages[part], impl_mask)
         ctx.backward(loss)
         del logp_new, impl_mask, loss
-    after = _stepped_logprobs(policy, args)
+    after, _ = _stepped(policy, logprobs)
     change = ((after - before) * mask).sum(1) / mask.sum(1).clamp(min=1)  # [B]
     up = change[advantages > 0].mean().item()
     down = change[advantages < 0].mean().item()
@@ -135,8 +140,8 @@ def sgd_direction(ctx):
 
 
 @torch.no_grad()
-def _stepped_logprobs(policy, args) -> torch.Tensor:
-    """The log-probs after a step of length 1e-3 along -grad, the weights put back after."""
+def _stepped(policy, forward):
+    """`forward()` after a step of length 1e-3 along -grad, the weights put back after."""
     trained = [p for p in policy.parameters() if p.grad is not None]
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trained)).item() if trained else 0
     originals = [p.data for p in trained]
@@ -144,11 +149,10 @@ def _stepped_logprobs(policy, args) -> torch.Tensor:
         p.data = p.data - 1e-3 / max(norm, 1e-12) * p.grad
         p.grad = None
     try:
-        after, _ = core.sequence_logprobs(policy, *args)
+        return forward()
     finally:
         for p, original in zip(trained, originals, strict=True):
             p.data = original
-    return after
 
 
 def _loss_and_grad(ctx, logp_new, logp_old, logp_ref, adv, mask):
