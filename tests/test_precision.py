@@ -19,6 +19,7 @@ from grpolab.model.precision import (
     Precision,
     autocast,
     cached_cast,
+    checkpoint_contexts,
     forget_casts_on_step,
 )
 from grpolab.rollout.base import SamplingParams
@@ -193,6 +194,81 @@ def test_a_lora_engine_samples_from_merged_bf16_copies_as_close_to_float64_as_pl
     engine.generate(["12+34="], 2, SamplingParams(max_completion_length=4))
     assert not any(layer.disable_adapters for layer in layers)
     assert HFEngine(model, tokenizer).merged_copies(model) is None  # fp32: nothing merged
+
+
+def lora_gradients(model, ids: torch.Tensor, context) -> dict[str, torch.Tensor]:
+    """Each adapter weight's gradient (float64) of a signed sum of the tokens' log-probs, as
+    GRPO's loss weighs them, from a forward under `context`."""
+    model.zero_grad(set_to_none=True)
+    signs = torch.linspace(-1, 1, ids.shape[1] - 1, dtype=torch.float64)
+    with context:
+        logits = model(input_ids=ids).logits[0, :-1]
+    logp = torch.log_softmax(logits.double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    (logp * signs).sum().backward()
+    return {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_a_lora_models_bf16_forward_trains_through_the_engines_merged_copies():
+    """Under bf16 a run's LoRA layer multiplies bf16(W + scaling * B @ A), the very copy the
+    engine samples from (one matmul forward, one for the input's gradient); the adapters'
+    gradients are no further from float64's than peft's own bf16 path (the preflight's
+    bound); gradient checkpointing recomputes the same forward; fp32 runs peft's forward."""
+    import copy
+
+    from grpolab.checks.tolerance import precision_tolerance
+    from grpolab.model.lora import forward_through_merged_weights, lora_layers, merged_bf16
+
+    model, tokenizer, engine = lora_engine()
+    peft_path = copy.deepcopy(model)
+    assert forward_through_merged_weights(model) == len(list(lora_layers(model))) > 0
+    model.train()  # dropout 0: the merged path trains too
+    name, layer = next(iter(lora_layers(model)))
+    x = torch.randn(2, 5, layer.base_layer.in_features, generator=torch.Generator().manual_seed(2))
+    with autocast(BF16, CPU):
+        y = layer(x)
+    copies = engine.merged_copies(model)
+    assert copies[layer.base_layer.weight] is merged_bf16(layer)  # one copy for both
+    assert torch.equal(y, F.linear(x.to(torch.bfloat16), merged_bf16(layer)))
+    with torch.no_grad():
+        assert torch.equal(layer(x), peft_path.get_submodule(f"base_model.model.{name}")(x))
+
+    ids = torch.tensor([tokenizer("12+34=46 and 7*8=56 so 9-4=5")["input_ids"]])
+    reference = lora_gradients(copy.deepcopy(peft_path).double(), ids, contextlib.nullcontext())
+    peft_bf16 = lora_gradients(peft_path, ids, autocast(BF16, CPU))
+    merged = lora_gradients(model, ids, autocast(BF16, CPU))
+    assert reference.keys() == merged.keys() == peft_bf16.keys()
+    for key, exact in reference.items():
+        largest = float(exact.abs().max())
+        peft_err = float((peft_bf16[key] - exact).abs().max())
+        merged_err = float((merged[key] - exact).abs().max())
+        assert merged_err <= precision_tolerance(peft_err, largest, torch.bfloat16), key
+    checkpointing = {"use_reentrant": False, "context_fn": checkpoint_contexts}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    recomputed = lora_gradients(model, ids, autocast(BF16, CPU))
+    assert all(torch.equal(recomputed[k], merged[k]) for k in merged)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradient_checkpointing_under_bf16_recomputes_the_forward_it_ran(lora):
+    """A checkpointed layer's recompute runs under the forward's bf16 region (float32 short
+    attention on the CPU, the cached and merged weight copies), not under autocast alone:
+    the gradients equal those without checkpointing, where a bf16 recompute of a float32
+    attention was refused by the checkpoint (a bf16 run with gradient_checkpointing failed)."""
+    from grpolab.config import load_config
+    from grpolab.model.dist import Dist
+    from grpolab.train.setup import prepare_model
+
+    tokenizer = build_char_tokenizer()
+    ids = torch.tensor([tokenizer("12+34=46 and 7*8=56 so 9-4=5")["input_ids"]])
+    grads = []
+    for checkpointing in (False, True):
+        overrides = [f"runtime.gradient_checkpointing={checkpointing}", f"lora.r={4 * lora}"]
+        cfg = load_config(None, overrides)
+        torch.manual_seed(0)  # the same adapters
+        model, _ = prepare_model(build_tiny_model(tokenizer, seed=0), cfg, Dist())
+        grads.append(lora_gradients(model.train(), ids, autocast(BF16, CPU)))
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
 
 
 def test_a_lora_engines_merged_copies_follow_each_update_and_the_canary_catches_a_stale_one():

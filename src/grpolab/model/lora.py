@@ -1,16 +1,20 @@
 """LoRA in one place: the adapters a run trains (peft's LoraConfig from trainer.lora_*),
 wrapping a model in them, restoring them from a checkpoint, and the merged weights
-(W + scaling * B @ A) every engine samples from. peft is an optional dependency: nothing
-here imports it before it is needed."""
+(W + scaling * B @ A) every engine samples from and the bf16 forwards multiply. peft is an
+optional dependency: nothing here imports it before it is needed."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from grpolab.model.policy import base_model
+from grpolab.model.precision import casting_afresh, casts_forgotten
 
 
 def lora_config(cfg):
@@ -90,3 +94,110 @@ def plain_lora(layer: torch.nn.Module) -> bool:
         and not any(getattr(layer, "lora_bias", {}).values())
         and not getattr(layer, "fan_in_fan_out", False)
     )
+
+
+# --- bf16 forwards through the merged weight --------------------------------------------------
+# Under bf16 a LoRA layer as peft runs it is three matmuls and two elementwise passes forward
+# (W x, then B (A x) scaled and added) and five matmuls backward, two of them skinny (rank
+# r) ones over every position: on a CPU those are memory-bound, a few % of the FLOPs and ~10 %
+# of the update. Through bf16(W + scaling * B @ A) -- the copy the hf engine samples from,
+# made once per optimizer step -- the forward is one matmul and the input's gradient one; A
+# and B get their gradients from four rank-r matmuls. The trainer's forward then multiplies
+# exactly the weights the engine sampled with.
+
+
+def merged_bf16(layer: torch.nn.Module, fresh: bool = False) -> torch.Tensor:
+    """bf16(W + its adapters) of a LoRA layer [out, in], made once and reused while its
+    weights are unchanged: their versions, and for trained ones until an optimizer step
+    (`casts_forgotten`: a fused AdamW moves no version counter). fresh: made anew, not kept."""
+    if fresh:
+        with torch.no_grad():
+            return merged_lora_weight(layer).to(torch.bfloat16)
+    made_of = (casts_forgotten(), *((p._version, p.data_ptr()) for p in layer.parameters()))
+    hit = _MERGED.get(layer)
+    if hit is None or hit[0] != made_of:
+        with torch.no_grad():
+            hit = (made_of, merged_lora_weight(layer).to(torch.bfloat16))
+        _MERGED[layer] = hit
+    return hit[1]
+
+
+_MERGED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # layer -> (made_of, bf16 copy)
+
+
+class _MergedLinear(torch.autograd.Function):
+    """x [..., in] -> x @ merged^T (+ bias) [..., out] in bf16, merged = bf16(W + s B A) with
+    W frozen. Backward: the input's gradient through `merged`; A's and B's, the same bf16
+    matmuls autocast runs for peft's path, returned in their own dtype:
+        u = x A^T [N, r],  g = dy B [N, r],  dB = s dy^T u,  dA = s g^T x."""
+
+    @staticmethod
+    def forward(ctx, x, merged, bias, a, b, scaling: float):
+        low = x.to(torch.bfloat16)
+        ctx.save_for_backward(low, merged, a, b)
+        ctx.scaling, ctx.input_dtype = scaling, x.dtype
+        return F.linear(low, merged, None if bias is None else bias.to(torch.bfloat16))
+
+    @staticmethod
+    def backward(ctx, dy):
+        low, merged, a, b = ctx.saved_tensors
+        dy = dy.to(torch.bfloat16)
+        dx = (dy @ merged).to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
+        x2, dy2 = low.reshape(-1, low.shape[-1]), dy.reshape(-1, dy.shape[-1])  # [N, in|out]
+        a_low, b_low = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        u, g = x2 @ a_low.t(), dy2 @ b_low  # [N, r] each
+        db = (dy2.t() @ u).to(b.dtype) * ctx.scaling  # [out, r]
+        da = (g.t() @ x2).to(a.dtype) * ctx.scaling  # [r, in]
+        return dx, None, None, da, db, None
+
+
+def merged_forward_applies(layer: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether `layer`'s forward on x runs through its merged bf16 weight: a bf16 autocast
+    region, one active plain adapter without active dropout, a frozen plain base (not
+    sharded, not compiled: a compiled graph keeps peft's path)."""
+    if torch.compiler.is_compiling() or not x.is_floating_point():
+        return False
+    device = x.device.type
+    if not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) != torch.bfloat16:
+        return False
+    if layer.disable_adapters or layer.merged or not plain_lora(layer):
+        return False
+    adapters = [name for name in layer.active_adapters if name in layer.lora_A]
+    if len(adapters) != 1:
+        return False
+    dropout = layer.lora_dropout[adapters[0]]
+    if layer.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
+        return False
+    base = layer.base_layer
+    frozen = [base.weight] + ([base.bias] if base.bias is not None else [])
+    plain = (torch.Tensor, torch.nn.Parameter)  # not a shard
+    return all(type(p) in plain and not p.requires_grad for p in frozen)
+
+
+def _merged_or_peft(layer: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    if args or kwargs or not merged_forward_applies(layer, x):
+        return type(layer).forward(layer, x, *args, **kwargs)
+    (adapter,) = (name for name in layer.active_adapters if name in layer.lora_A)
+    return _MergedLinear.apply(
+        x,
+        merged_bf16(layer, fresh=casting_afresh()),
+        layer.base_layer.bias,
+        layer.lora_A[adapter].weight,
+        layer.lora_B[adapter].weight,
+        layer.scaling[adapter],
+    )
+
+
+def forward_through_merged_weights(model: torch.nn.Module) -> int:
+    """Make each plain LoRA layer of `model` run its bf16 forwards through `merged_bf16`
+    (peft's own forward everywhere else: fp32, adapters off or merged, dropout). Returns the
+    number of layers."""
+    layers = [
+        module
+        for module in base_model(model).modules()
+        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
+    ]
+    layers = [layer for layer in layers if plain_lora(layer)]
+    for layer in layers:
+        layer.forward = functools.partial(_merged_or_peft, layer)
+    return len(layers)

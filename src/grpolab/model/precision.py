@@ -175,6 +175,27 @@ def float32_attention(keys: int, device: torch.device) -> bool:
     )
 
 
+_OPEN: list[_Bf16Forward] = []  # the bf16 regions open now, innermost last
+
+
+def casting_afresh() -> bool:
+    """Whether a bf16 region that casts every weight afresh (cached=False) is open: a copy
+    derived from weights (a LoRA-merged one) must be made anew there too."""
+    return any(not mode.cached for mode in _OPEN)
+
+
+def checkpoint_contexts():
+    """torch.utils.checkpoint's context_fn: the recompute of a checkpointed layer runs under
+    the bf16 region its forward ran under. Checkpointing restores autocast but not a
+    TorchFunctionMode: without this, short attention on the CPU recomputes in bf16 where its
+    forward ran in float32, and the checkpoint refuses the mismatch."""
+    if not _OPEN:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    mode = _OPEN[-1]
+    again = _Bf16Forward(mode.dtype, mode.device_type, mode.cached, mode.substitutes)
+    return contextlib.nullcontext(), again
+
+
 class _Bf16Forward(TorchFunctionMode):
     """Inside a bf16 autocast region: every `F.linear` on a float32 weight reads its cached
     `dtype` copy (autocast then casts only the activations), and short attention on the CPU
@@ -184,6 +205,14 @@ class _Bf16Forward(TorchFunctionMode):
         super().__init__()
         self.dtype, self.device_type, self.cached = dtype, device_type, cached
         self.substitutes = substitutes
+
+    def __enter__(self):
+        _OPEN.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _OPEN.remove(self)
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

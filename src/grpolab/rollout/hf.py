@@ -35,14 +35,13 @@ from grpolab.model.decoder import (
     cpu_float32_attention,
     verify_decoder,
 )
-from grpolab.model.lora import is_lora, lora_layers, merged_lora_weight, plain_lora
+from grpolab.model.lora import is_lora, lora_layers, merged_bf16, plain_lora
 from grpolab.model.policy import base_model, eval_mode, plain_kv_cache
 from grpolab.model.precision import (
     FP32,
     Precision,
     autocast,
     cached_cast,
-    casts_forgotten,
     forget_casts,
 )
 from grpolab.rollout.base import Rollout, SamplingParams
@@ -133,7 +132,6 @@ class HFEngine(RolloutEngine):
             default_sync_tolerance("float32") if sync_tolerance is None else sync_tolerance
         )
         self.last_sync_gap: float | None = None  # bf16: the latest sync's copy gap
-        self._merged: tuple[tuple, WeakIdKeyDictionary] | None = None  # (made of, copies)
         self.episodes = episodes  # None: single-turn
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -203,16 +201,10 @@ class HFEngine(RolloutEngine):
         layers = [layer for _, layer in lora_layers(model)]
         if not layers or not all(plain_lora(layer) for layer in layers):
             return None
-        made_of = (casts_forgotten(), *(p._version for layer in layers for p in layer.parameters()))
-        current = self._merged is not None and self._merged[0] == made_of
-        if current and model is self.model and not fresh:
-            return self._merged[1]
+        fresh = fresh or model is not self.model
         copies = WeakIdKeyDictionary()
-        with torch.no_grad():
-            for layer in layers:
-                copies[layer.base_layer.weight] = merged_lora_weight(layer).to(torch.bfloat16)
-        if model is self.model and not fresh:
-            self._merged = (made_of, copies)
+        for layer in layers:  # the trainer's bf16 forwards multiply the same copies
+            copies[layer.base_layer.weight] = merged_bf16(layer, fresh)
         return copies
 
     @torch.no_grad()

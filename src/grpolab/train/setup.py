@@ -22,7 +22,7 @@ from grpolab.core import CoreFunctions, Objective
 from grpolab.functions import as_called, core_functions
 from grpolab.model import dist as dist_module
 from grpolab.model.dist import Dist
-from grpolab.model.lora import wrap_lora
+from grpolab.model.lora import forward_through_merged_weights, is_lora, wrap_lora
 from grpolab.model.policy import (
     PACKAGED_MODELS,
     GivenModel,
@@ -30,7 +30,13 @@ from grpolab.model.policy import (
     load_policy,
     resolve_model_source,
 )
-from grpolab.model.precision import FP32, Precision, forget_casts_on_step, resolve_precision
+from grpolab.model.precision import (
+    FP32,
+    Precision,
+    checkpoint_contexts,
+    forget_casts_on_step,
+    resolve_precision,
+)
 from grpolab.rewards import Rewards, load_rewards
 from grpolab.rollout import RolloutEngine, build_engine
 from grpolab.rollout.common import longest_prompt
@@ -343,8 +349,12 @@ def prepare_model(
         model = wrap_lora(model, cfg)
     elif cfg.objective.beta > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if is_lora(model):  # its bf16 forwards multiply the engine's merged copies
+        forward_through_merged_weights(model)
     if cfg.runtime.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # the recompute under the forward's bf16 region (autocast alone is restored)
+        kwargs = {"use_reentrant": False, "context_fn": checkpoint_contexts}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if cfg.runtime.torch_compile:  # before sharding: fully_shard wraps the compiled layers
         compile_decoder_layers(model)
     if d.on and d.mode == "fsdp":
