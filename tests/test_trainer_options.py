@@ -57,6 +57,28 @@ def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
     assert_gradients_close(grads[1], grads[0], terms)
 
 
+@pytest.mark.parametrize("lora", ["0", "4"])
+def test_gradient_checkpointing_under_bf16_passes_its_preflight_and_trains(tmp_path, lora):
+    """bf16 with gradient checkpointing: the recompute runs under the forward's bf16 region,
+    so the preflight (its memory probe runs a checkpointed forward and backward) passes and
+    a step trains; the recompute once ran short attention in bf16 where the forward had run
+    it in float32, and the checkpoint refused the step."""
+    from grpolab.train.preflight import preflight
+
+    cfg = small_run_config(
+        tmp_path,
+        "runtime.gradient_checkpointing=true",
+        "runtime.precision=bf16",
+        f"lora.r={lora}",
+    )
+    failed = [(r.id, r.error) for r in preflight(cfg) if not r.passed]
+    assert not failed, failed
+    model, tokenizer = load_start_model(cfg, torch.device("cpu"))
+    run = build_run(cfg, model, tokenizer)
+    metrics, _ = grpo_step(run, 1)
+    assert model.is_gradient_checkpointing and metrics["grad_norm"] > 0
+
+
 def test_bf16_precision_keeps_fp32_master_weights_and_an_exact_first_ratio(tmp_path):
     updates = {}
     for mode in ("fp32", "bf16"):

@@ -154,7 +154,8 @@ CHECKS = (
         "memory.worst_case",
         0,
         "the longest possible batch does not fit: lower max_completion_length or the minibatch "
-        "size",
+        "size (where it raised an error other than running out of memory, the step itself "
+        "fails on this config: the error says where)",
         worst_case,
         # grpolab's own path is sized; a learner's is not
         when=lambda ctx: ctx.impl.path is None,
