@@ -134,13 +134,28 @@ def test_preflight_passes_in_bf16_and_holds_the_engine_to_plain_bf16(tmp_path):
     assert agreement["measured"] > 0  # a bf16 engine against the float32 trainer: not exact
 
 
-def lora_engine():
+def tiny_qwen2(tokenizer) -> torch.nn.Module:
+    """A tiny Qwen2: its q, k and v projections have biases."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def lora_engine(family: str = "llama"):
     """A tiny LoRA model whose adapters are not zero (peft starts B at 0), its bf16 engine."""
     pytest.importorskip("peft")
     from grpolab.config import load_config
     from grpolab.model.lora import wrap_lora
 
     model, tokenizer, _ = tiny_engine()
+    if family == "qwen2":
+        model = tiny_qwen2(tokenizer)
     model = wrap_lora(model, load_config(None, ["lora.r=4"]))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -208,7 +223,8 @@ def lora_gradients(model, ids: torch.Tensor, context) -> dict[str, torch.Tensor]
     return {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_a_lora_models_bf16_forward_trains_through_the_engines_merged_copies():
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_lora_models_bf16_forward_trains_through_the_engines_merged_copies(family):
     """Under bf16 a run's LoRA layer multiplies bf16(W + scaling * B @ A), the very copy the
     engine samples from (one matmul forward, one for the input's gradient); the adapters'
     gradients are no further from float64's than peft's own bf16 path (the preflight's
@@ -218,7 +234,7 @@ def test_a_lora_models_bf16_forward_trains_through_the_engines_merged_copies():
     from grpolab.checks.tolerance import precision_tolerance
     from grpolab.model.lora import forward_through_merged_weights, lora_layers, merged_bf16
 
-    model, tokenizer, engine = lora_engine()
+    model, tokenizer, engine = lora_engine(family)
     peft_path = copy.deepcopy(model)
     assert forward_through_merged_weights(model) == len(list(lora_layers(model))) > 0
     model.train()  # dropout 0: the merged path trains too
@@ -228,7 +244,10 @@ def test_a_lora_models_bf16_forward_trains_through_the_engines_merged_copies():
         y = layer(x)
     copies = engine.merged_copies(model)
     assert copies[layer.base_layer.weight] is merged_bf16(layer)  # one copy for both
-    assert torch.equal(y, F.linear(x.to(torch.bfloat16), merged_bf16(layer)))
+    bias = layer.base_layer.bias  # Qwen2's q/k/v have one, cast as autocast casts it
+    assert (bias is not None) == (family == "qwen2")
+    low_bias = None if bias is None else bias.to(torch.bfloat16)
+    assert torch.equal(y, F.linear(x.to(torch.bfloat16), merged_bf16(layer), low_bias))
     with torch.no_grad():
         assert torch.equal(layer(x), peft_path.get_submodule(f"base_model.model.{name}")(x))
 
@@ -246,6 +265,29 @@ def test_a_lora_models_bf16_forward_trains_through_the_engines_merged_copies():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
     recomputed = lora_gradients(model, ids, autocast(BF16, CPU))
     assert all(torch.equal(recomputed[k], merged[k]) for k in merged)
+
+
+def test_the_merged_forward_is_taken_only_where_it_computes_what_peft_would():
+    """bf16 autocast, adapters on, no active dropout, a frozen base: elsewhere peft's own
+    forward (fp32, adapters switched off, dropout while training, a trained base)."""
+    from grpolab.model.lora import forward_through_merged_weights, lora_layers
+    from grpolab.model.lora import merged_forward_applies as applies
+
+    model, _, _ = lora_engine()
+    forward_through_merged_weights(model)
+    _, layer = next(iter(lora_layers(model)))
+    x = torch.randn(3, layer.base_layer.in_features)
+    assert not applies(layer, x)  # no autocast: fp32
+    with autocast(BF16, CPU):
+        assert applies(layer, x)
+        with model.disable_adapter():
+            assert not applies(layer, x)
+        (adapter,) = layer.active_adapters
+        layer.lora_dropout[adapter] = torch.nn.Dropout(0.1)
+        assert applies(layer.eval(), x) and not applies(layer.train(), x)
+        layer.lora_dropout[adapter] = torch.nn.Identity()
+        layer.base_layer.weight.requires_grad_(True)
+        assert not applies(layer, x)
 
 
 @pytest.mark.parametrize("lora", [False, True])
