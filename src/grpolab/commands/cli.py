@@ -337,11 +337,17 @@ def _subcommand_parser(parser: argparse.ArgumentParser, name: str):
 # imports into another error (transformers' lazy modules raise ModuleNotFoundError "from" it),
 # so whether the user interrupted is remembered here rather than read from the exception.
 _interrupted = False
+# True until the command starts: while the CLI imports its modules nothing has begun, and a
+# KeyboardInterrupt raised inside a native extension's import can abort the process (a C++
+# terminate, exit -6) instead of unwinding, so a Ctrl-C then ends the process at once.
+_starting = True
 
 
 def _on_interrupt(signum, frame) -> None:
     global _interrupted
     _interrupted = True
+    if _starting:
+        exit_interrupted()
     raise KeyboardInterrupt
 
 
@@ -385,6 +391,7 @@ def exit_interrupted() -> None:
 
 
 def _main(argv: list[str] | None) -> int:
+    global _starting
     from grpolab.commands.jsonout import json_stdout
     from grpolab.model.memory import fix_malloc_thresholds
 
@@ -392,6 +399,7 @@ def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(overrides_last(argv, parser))
+    _starting = False  # the command begins: from here an interrupt unwinds
     try:
         with json_stdout(getattr(args, "json", False)):  # --json: stdout holds the JSON alone
             return args.func(args)
