@@ -250,6 +250,9 @@ def test_a_lora_models_bf16_forward_trains_through_the_engines_merged_copies(fam
     assert torch.equal(y, F.linear(x.to(torch.bfloat16), merged_bf16(layer), low_bias))
     with torch.no_grad():
         assert torch.equal(layer(x), peft_path.get_submodule(f"base_model.model.{name}")(x))
+        # a copy (the preflight's float64 one) runs its own layers, not the original's
+        twin = dict(lora_layers(copy.deepcopy(model).double()))[name]
+        assert twin.forward.args[0] is twin and twin(x.double()).dtype == torch.float64
 
     ids = torch.tensor([tokenizer("12+34=46 and 7*8=56 so 9-4=5")["input_ids"]])
     reference = lora_gradients(copy.deepcopy(peft_path).double(), ids, contextlib.nullcontext())
