@@ -273,13 +273,16 @@ def test_a_lora_models_bf16_forward_trains_through_the_engines_merged_copies(fam
 def test_the_merged_forward_is_taken_only_where_it_computes_what_peft_would():
     """bf16 autocast, adapters on, no active dropout, a frozen base: elsewhere peft's own
     forward (fp32, adapters switched off, dropout while training, a trained base)."""
-    from grpolab.model.lora import forward_through_merged_weights, lora_layers
-    from grpolab.model.lora import merged_forward_applies as applies
+    from grpolab.model.lora import forward_through_merged_weights, lora_layers, merged_adapter
 
     model, _, _ = lora_engine()
     forward_through_merged_weights(model)
     _, layer = next(iter(lora_layers(model)))
     x = torch.randn(3, layer.base_layer.in_features)
+
+    def applies(layer, x) -> bool:
+        return merged_adapter(layer, x) is not None
+
     assert not applies(layer, x)  # no autocast: fp32
     with autocast(BF16, CPU):
         assert applies(layer, x)

@@ -64,12 +64,17 @@ def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
+def all_lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(name under the base model, layer) of each peft LoRA layer, in any state."""
+    for name, module in base_model(model).named_modules():
+        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight"):
+            yield name, module
+
+
 def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
     """(name under the base model, layer) of each peft LoRA layer whose adapters act on its
     base layer's output (not merged into it, not switched off)."""
-    for name, module in base_model(model).named_modules():
-        if not (hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")):
-            continue
+    for name, module in all_lora_layers(model):
         if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
             continue  # already inside the base weight / switched off
         yield name, module
@@ -151,33 +156,34 @@ class _MergedLinear(torch.autograd.Function):
         return dx, None, None, da, db, None
 
 
-def merged_forward_applies(layer: torch.nn.Module, x: torch.Tensor) -> bool:
-    """Whether `layer`'s forward on x runs through its merged bf16 weight: a bf16 autocast
-    region, one active plain adapter without active dropout, a frozen plain base (not
-    sharded, not compiled: a compiled graph keeps peft's path)."""
+def merged_adapter(layer: torch.nn.Module, x: torch.Tensor) -> str | None:
+    """The adapter through whose merged bf16 weight `layer`'s forward on x runs, or None
+    (peft's own forward): a bf16 autocast region, one active plain adapter without active
+    dropout, a frozen plain base (not sharded, not compiled: a compiled graph keeps peft's
+    path)."""
     if torch.compiler.is_compiling() or not x.is_floating_point():
-        return False
+        return None
     device = x.device.type
     if not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) != torch.bfloat16:
-        return False
+        return None
     if layer.disable_adapters or layer.merged or not plain_lora(layer):
-        return False
+        return None
     adapters = [name for name in layer.active_adapters if name in layer.lora_A]
     if len(adapters) != 1:
-        return False
+        return None
     dropout = layer.lora_dropout[adapters[0]]
     if layer.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
-        return False
+        return None
     base = layer.base_layer
     frozen = [base.weight] + ([base.bias] if base.bias is not None else [])
     plain = (torch.Tensor, torch.nn.Parameter)  # not a shard
-    return all(type(p) in plain and not p.requires_grad for p in frozen)
+    return adapters[0] if all(type(p) in plain and not p.requires_grad for p in frozen) else None
 
 
 def _merged_or_peft(layer: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    if args or kwargs or not merged_forward_applies(layer, x):
+    adapter = None if args or kwargs else merged_adapter(layer, x)
+    if adapter is None:
         return type(layer).forward(layer, x, *args, **kwargs)
-    (adapter,) = (name for name in layer.active_adapters if name in layer.lora_A)
     return _MergedLinear.apply(
         x,
         merged_bf16(layer, fresh=casting_afresh()),
@@ -192,12 +198,7 @@ def forward_through_merged_weights(model: torch.nn.Module) -> int:
     """Make each plain LoRA layer of `model` run its bf16 forwards through `merged_bf16`
     (peft's own forward everywhere else: fp32, adapters off or merged, dropout). Returns the
     number of layers."""
-    layers = [
-        module
-        for module in base_model(model).modules()
-        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
-    ]
-    layers = [layer for layer in layers if plain_lora(layer)]
+    layers = [layer for _, layer in all_lora_layers(model) if plain_lora(layer)]
     for layer in layers:
         layer.forward = functools.partial(_merged_or_peft, layer)
     return len(layers)
